@@ -1,0 +1,86 @@
+"""Helpers shared by the bench scripts: timing, environment stamp, JSON rows and a markdown table.
+
+Every script writes bench/results/<name>.json in the format of shared/DESIGN.md:
+{"env": {"torch", "triton", "gpu", "commit", "date"}, "rows": [{"impl", "mode", "case", "ms", "tflops"|"tbps"}]}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _commit() -> str:
+    # The GPU machine gets a copy of the tree without .git: the caller passes FLASH_COMMIT there.
+    if os.environ.get("FLASH_COMMIT"):
+        return os.environ["FLASH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def env_info() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "gpu": gpu,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+class Results:
+    """Collects typed rows, prints a markdown table and writes the JSON file."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.rows: list[dict] = []
+
+    def add(self, impl: str, mode: str, case: dict, ms: float, *, tflops: float | None = None,
+            tbps: float | None = None, **extra) -> dict:
+        row = {"impl": impl, "mode": mode, "case": dict(case), "ms": round(ms, 5)}
+        if tflops is not None:
+            row["tflops"] = round(tflops, 2)
+        if tbps is not None:
+            row["tbps"] = round(tbps, 3)
+        row.update(extra)
+        self.rows.append(row)
+        return row
+
+    def write(self, path: Path | None = None) -> Path:
+        path = path or RESULTS_DIR / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"env": env_info(), "rows": self.rows}, indent=1) + "\n")
+        return path
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
