@@ -1,0 +1,28 @@
+"""flash_backend: fused attention, norm and dense kernels, delivered to unmodified models.
+
+    compiled = torch.compile(model, backend="flash")   # no import needed: setup.py entry point
+    flash_backend.explain(model, *example_inputs)       # what was rewritten, and the near misses
+
+The ops are registered under `torch.ops.flash` when this package is imported.
+"""
+
+import logging
+
+from flash_backend import ops  # noqa: F401  (registers torch.ops.flash.*)
+
+logger = logging.getLogger("flash_backend")
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The compiler side pulls in torch._dynamo / torch._inductor: load it only when asked for.
+    if name == "explain":
+        from flash_backend.explain import explain
+
+        return explain
+    if name == "flash_backend":
+        from flash_backend.backend import flash_backend
+
+        return flash_backend
+    raise AttributeError(name)
