@@ -1,0 +1,72 @@
+"""FX passes that rewrite Torch-IR subgraphs into `torch.ops.flash` fused ops.
+
+One module per fusion family (``norm``, ``attention``, ``dense``, ...). A family module defines
+
+    FAMILY: str                      # counter key: counters["flash"][FAMILY]
+    ORDER: int                       # families run in ascending ORDER (default 50)
+    def rewrite(graph: torch.fx.Graph) -> None
+        # find candidate subgraphs, prove each is the same function, replace it, and report every
+        # rewrite and near miss through fx_passes._report (record_rewrite / record_near_miss)
+
+and is discovered automatically: adding a fusion touches one file here and nothing else.
+
+The passes run on the graph dynamo produces, before AOTAutograd (Inductor's ``pre_grad_custom_pass``
+hook). Working there means the fused op's registered autograd gives the backward: training and
+inference share one pattern, and Inductor compiles the rest of the graph exactly as it would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from pathlib import Path
+
+import torch.fx
+
+from fx_passes._compat import CustomGraphPass, get_hash_for_files, stable_topological_sort
+from fx_passes._report import Report, collecting  # noqa: F401  (re-exported)
+
+log = logging.getLogger("flash_backend")
+
+
+def family_modules() -> list:
+    modules = [
+        importlib.import_module(f"{__name__}.{m.name}")
+        for m in pkgutil.iter_modules(__path__)
+        if not m.name.startswith("_")
+    ]
+    return sorted(modules, key=lambda m: (getattr(m, "ORDER", 50), m.FAMILY))
+
+
+def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
+    """Apply every fusion family (or only those named) to graph, in place."""
+    import flash_backend.ops  # noqa: F401  (the replacements call torch.ops.flash.*)
+
+    for module in family_modules():
+        if families is None or module.FAMILY in families:
+            module.rewrite(graph)
+    stable_topological_sort(graph)
+    graph.lint()
+    if graph.owning_module is not None:
+        graph.owning_module.recompile()
+
+
+class FlashGraphPass(CustomGraphPass):
+    """The flash rewrites as an Inductor pre-grad custom pass, with a uuid for the FX graph cache."""
+
+    def __init__(self, chained=None):
+        # A pre_grad_custom_pass the user had configured still runs, after ours.
+        self.chained = chained
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        run_passes(graph)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self):
+        # The rewrite depends on the pass sources and on the ops they call.
+        root = Path(__file__).resolve().parent
+        files = sorted(root.glob("*.py")) + sorted((root.parent / "flash_backend" / "ops").glob("*.py"))
+        chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+        return (get_hash_for_files(tuple(str(f) for f in files)), chained)

@@ -1,0 +1,33 @@
+"""Every import of torch._inductor / torch._dynamo internals lives here.
+
+Those APIs move between torch releases; the project runs on torch 2.11 (GPU machine) and 2.13 (CPU/CI).
+"""
+
+from __future__ import annotations
+
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor import list_mode_options
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:
+    from torch._inductor.pattern_matcher import stable_topological_sort
+except ImportError:  # moved in some releases
+    from torch._inductor.fx_passes.pre_grad import stable_topological_sort  # type: ignore[no-redef]
+
+try:
+    from torch._guards import detect_fake_mode
+except ImportError:  # pragma: no cover - older layout
+    from torch._dynamo.utils import detect_fake_mode  # type: ignore[no-redef]
+
+__all__ = [
+    "CustomGraphPass",
+    "compile_fx",
+    "counters",
+    "detect_fake_mode",
+    "get_hash_for_files",
+    "inductor_config",
+    "list_mode_options",
+    "stable_topological_sort",
+]

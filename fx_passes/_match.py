@@ -1,0 +1,183 @@
+"""Small helpers for matching the Torch IR that dynamo produces.
+
+Dynamo graphs spell one operation many ways: ``a + b`` (operator.add), ``torch.add(a, b)``,
+``a.add(b)`` (call_method). The passes match on *canonical names* so that one pattern covers every
+spelling; ``op_name`` does that mapping, ``operands`` returns the positional arguments with ``self``
+first for methods. Values are read from ``node.meta["example_value"]`` (fake tensors from dynamo).
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fx_passes._compat import detect_fake_mode
+
+_FUNCTIONS: dict[object, str] = {
+    operator.add: "add", torch.add: "add",
+    operator.sub: "sub", torch.sub: "sub", torch.subtract: "sub",
+    operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
+    operator.truediv: "div", torch.div: "div", torch.divide: "div", torch.true_divide: "div",
+    operator.pow: "pow", torch.pow: "pow",
+    operator.neg: "neg", torch.neg: "neg",
+    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.einsum: "einsum",
+    torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.tanh: "tanh", torch.erf: "erf",
+    torch.mean: "mean", torch.var: "var", torch.sum: "sum", torch.square: "square",
+    torch.where: "where", torch.masked_fill: "masked_fill",
+    torch.transpose: "transpose", torch.permute: "permute", torch.reshape: "reshape",
+    torch.softmax: "softmax", F.softmax: "softmax",
+    F.dropout: "dropout", torch.dropout: "dropout",
+    F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
+    F.linear: "linear", torch._C._nn.linear: "linear", torch.addmm: "addmm",
+    F.gelu: "gelu", torch._C._nn.gelu: "gelu",
+    F.scaled_dot_product_attention: "sdpa",
+}
+if hasattr(F, "rms_norm"):
+    _FUNCTIONS[F.rms_norm] = "rms_norm"
+if hasattr(torch, "rms_norm"):
+    _FUNCTIONS[torch.rms_norm] = "rms_norm"
+
+_METHOD_ALIASES = {
+    "__add__": "add", "__radd__": "add", "__sub__": "sub", "__mul__": "mul", "__rmul__": "mul",
+    "__truediv__": "div", "true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub",
+    "__matmul__": "matmul", "__pow__": "pow",
+}
+
+
+def op_name(node: object) -> str | None:
+    """Canonical name of what node computes ('add', 'layer_norm', 'float', ...), or None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHOD_ALIASES.get(node.target, node.target)
+    return None
+
+
+def is_op(node: object, *names: str) -> bool:
+    return op_name(node) in names
+
+
+def operands(node: torch.fx.Node) -> tuple:
+    """Positional arguments, with the tensor a method is called on first."""
+    return tuple(node.args)
+
+
+def arg(node: torch.fx.Node, index: int, name: str, default=None):
+    """Argument by position or keyword (positions count self first for methods)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def val(node: object):
+    """The fake tensor (or SymInt, or Python value) a node produces."""
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def tensor_meta(node: object) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_number(x: object) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def only_users(node: torch.fx.Node, allowed: Iterable[torch.fx.Node]) -> bool:
+    """True when every user of node is in allowed (an intermediate we may fold away)."""
+    allowed = set(allowed)
+    return all(u in allowed for u in node.users)
+
+
+def norm_dim(dim, ndim: int) -> int | None:
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return None
+        dim = dim[0]
+    if not isinstance(dim, int):
+        return None
+    return dim + ndim if dim < 0 else dim
+
+
+def is_last_dim(dim, ndim: int) -> bool:
+    return norm_dim(dim, ndim) == ndim - 1
+
+
+def fake_call(fn: Callable, args: Sequence, kwargs: dict):
+    """Run fn on the fake values of its node arguments, to give a new node its example_value."""
+    fake_tensors = []
+
+    def to_val(node):
+        v = val(node)
+        if isinstance(v, torch.Tensor):
+            fake_tensors.append(v)
+        return v
+
+    fargs, fkwargs = torch.fx.node.map_arg((tuple(args), dict(kwargs)), to_val)
+    fake_mode = detect_fake_mode(fake_tensors)
+    if fake_mode is None:
+        return None
+    with fake_mode:
+        return fn(*fargs, **fkwargs)
+
+
+def insert_call(graph: torch.fx.Graph, fn: Callable, args: Sequence, kwargs: dict | None = None,
+                *, after: Sequence[torch.fx.Node] = (), like: torch.fx.Node | None = None) -> torch.fx.Node:
+    """Insert call_function(fn) right after the last of its input nodes, with example_value meta.
+
+    Placing it after its inputs (rather than at the matched root) keeps it ahead of every user of
+    the outputs it replaces; callers run stable_topological_sort when they are done.
+    """
+    kwargs = kwargs or {}
+    inputs: list[torch.fx.Node] = list(after)
+    torch.fx.node.map_arg((tuple(args), kwargs), lambda n: inputs.append(n))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(inputs, key=lambda n: order[n]) if inputs else None
+    if last is None or last.op == "placeholder":
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        anchor_ctx = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before()
+    else:
+        anchor_ctx = graph.inserting_after(last)
+    with anchor_ctx:
+        node = graph.call_function(fn, tuple(args), kwargs)
+    if like is not None:
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    try:
+        node.meta["example_value"] = fake_call(fn, args, kwargs)
+    except Exception:  # noqa: BLE001 - meta is a convenience for later passes, never required
+        pass
+    return node
+
+
+def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> torch.fx.Node:
+    with graph.inserting_after(node):
+        item = graph.call_function(operator.getitem, (node, index))
+    value = node.meta.get("example_value")
+    if isinstance(value, (tuple, list)):
+        item.meta["example_value"] = value[index]
+    for key in ("stack_trace",):
+        if key in node.meta:
+            item.meta[key] = node.meta[key]
+    return item
+
+
+def erase_unused(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """Erase the matched nodes that no longer have users (latest first)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=lambda n: order.get(n, -1), reverse=True):
+        if node.graph is graph and not node.users and node.op not in ("placeholder", "output"):
+            graph.erase_node(node)

@@ -1,0 +1,108 @@
+"""What the passes did: every rewrite and every near miss, counted, logged and collected for explain().
+
+Counting follows Inductor's convention: a rewritten subgraph adds one to
+``counters["flash"][family]``, a near miss to ``counters["flash"][family + "_skipped"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from fx_passes._compat import counters
+
+log = logging.getLogger("flash_backend")
+
+
+def source_location(node: torch.fx.Node | None) -> str:
+    """'file.py:42 in forward: <code>' for the user line that produced node, or its name."""
+    if node is None:
+        return "?"
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            # File "/path/model.py", line 42, in forward
+            parts = lines[i].split('"')
+            path = parts[1].rsplit("/", 1)[-1] if len(parts) > 2 else "?"
+            rest = parts[-1]
+            lineno = rest.split("line ")[-1].split(",")[0] if "line " in rest else "?"
+            func = rest.rsplit("in ", 1)[-1] if "in " in rest else "?"
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{path}:{lineno} in {func}: {code}" if code else f"{path}:{lineno} in {func}"
+    return f"node {node.name}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    family: str
+    rewritten: bool
+    variant: str  # which pattern matched (rewrites) or which was attempted (near misses)
+    detail: str  # the op it became, or the reason it was left alone
+    location: str
+
+    def line(self) -> str:
+        if self.rewritten:
+            return f"[{self.family}] rewrote {self.variant} -> {self.detail}  ({self.location})"
+        return f"[{self.family}] left alone {self.variant}: {self.detail}  ({self.location})"
+
+
+@dataclass
+class Report:
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def rewrites(self) -> list[Decision]:
+        return [d for d in self.decisions if d.rewritten]
+
+    @property
+    def near_misses(self) -> list[Decision]:
+        return [d for d in self.decisions if not d.rewritten]
+
+    def counts(self) -> Counter:
+        return Counter(d.family for d in self.rewrites)
+
+    def __str__(self) -> str:
+        if not self.decisions:
+            return "flash_backend: no candidate subgraphs were found."
+        counts = ", ".join(f"{fam}: {n}" for fam, n in sorted(self.counts().items())) or "none"
+        out = [
+            f"flash_backend: {len(self.rewrites)} rewrite(s) ({counts}), "
+            f"{len(self.near_misses)} near miss(es)"
+        ]
+        out += ["  " + d.line() for d in self.decisions]
+        return "\n".join(out)
+
+
+# explain() and tests push a Report here to collect what a compilation decided.
+_collectors: list[Report] = []
+
+
+@contextlib.contextmanager
+def collecting():
+    report = Report()
+    _collectors.append(report)
+    try:
+        yield report
+    finally:
+        _collectors.remove(report)
+
+
+def _emit(decision: Decision) -> None:
+    key = decision.family if decision.rewritten else decision.family + "_skipped"
+    counters["flash"][key] += 1
+    log.info("%s", decision.line())
+    for report in _collectors:
+        report.decisions.append(decision)
+
+
+def record_rewrite(family: str, variant: str, op: str, node: torch.fx.Node | None) -> None:
+    _emit(Decision(family, True, variant, op, source_location(node)))
+
+
+def record_near_miss(family: str, variant: str, reason: str, node: torch.fx.Node | None) -> None:
+    _emit(Decision(family, False, variant, reason, source_location(node)))
