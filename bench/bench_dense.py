@@ -1,0 +1,134 @@
+"""Linear + bias + GELU on the H200, bf16: flash (cuBLASLt epilogues) vs eager, Inductor, Inductor
+max-autotune and torch._addmm_activation (forward only), forward and forward+backward, in one run.
+
+    python bench/bench_dense.py [--approximate tanh,none] [--autotune-shapes 2] [--autotune-budget-s 240]
+
+Inductor max-autotune compiles for minutes per shape: it runs on the first --autotune-shapes shapes at
+M=16384 (see SHAPES), and stops once --autotune-budget-s is spent; the table says which ran.
+Writes bench/results/dense.json and prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import Results, bench_ms, markdown_table  # noqa: E402
+from flash_backend.ops.dense import linear_bias_gelu  # noqa: E402
+
+# (K, N): GPT-2 small, GPT-2 XL, a 4096-wide model; M = tokens per step.
+SHAPES = [(768, 3072), (1600, 6400), (4096, 16384)]
+MS = [16384, 8192]
+DTYPE = torch.bfloat16
+
+
+def _eager(approximate):
+    def fn(x, w, b):
+        return F.gelu(F.linear(x, w, b), approximate=approximate)
+
+    return fn
+
+
+def _ours(approximate):
+    def fn(x, w, b):
+        return linear_bias_gelu(x, w, b, approximate)
+
+    return fn
+
+
+def _addmm_activation(x, w, b):
+    # cuBLASLt's GELU epilogue: the tanh approximation, forward only (no autograd formula).
+    return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
+
+def _compiled(fn, mode):
+    torch._dynamo.reset()  # a fresh cache per case: no recompile limit, no stale graph
+    return torch.compile(fn, mode=mode, dynamic=False)
+
+
+def _make(impl, approximate):
+    if impl == "flash":
+        return _ours(approximate)
+    if impl == "eager":
+        return _eager(approximate)
+    if impl == "inductor":
+        return _compiled(_eager(approximate), None)
+    if impl == "inductor_max_autotune":
+        return _compiled(_eager(approximate), "max-autotune-no-cudagraphs")
+    return _addmm_activation
+
+
+def _time(fn, x, w, b, grad, train):
+    if train:
+        leaves = (x, w, b)
+        step = lambda: torch.autograd.grad(fn(x, w, b), leaves, grad)
+    else:
+        step = lambda: fn(x, w, b)
+    step()  # compile / build / autotune outside the timing
+    torch.cuda.synchronize()
+    return bench_ms(step)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--approximate", default="tanh,none")
+    parser.add_argument("--autotune-shapes", type=int, default=2)
+    parser.add_argument("--autotune-budget-s", type=float, default=240.0)
+    args = parser.parse_args()
+    approximations = args.approximate.split(",")
+
+    results = Results("dense")
+    table = []
+    autotune_left = args.autotune_budget_s
+    for approximate in approximations:
+        for m in MS:
+            for i, (k, n) in enumerate(SHAPES):
+                case = {"M": m, "K": k, "N": n, "dtype": "bf16", "approximate": approximate}
+                x = torch.randn(m, k, dtype=DTYPE, device="cuda")
+                w = torch.randn(n, k, dtype=DTYPE, device="cuda") / k**0.5
+                b = torch.randn(n, dtype=DTYPE, device="cuda")
+                grad = torch.randn(m, n, dtype=DTYPE, device="cuda")
+                for train in (False, True):
+                    mode = "fwd+bwd" if train else "fwd"
+                    flops = (6 if train else 2) * m * n * k
+                    for t in (x, w, b):
+                        t.requires_grad_(train)
+                    impls = ["flash", "eager", "inductor"]
+                    if (approximate == approximations[0] and m == MS[0] and i < args.autotune_shapes
+                            and autotune_left > 0):
+                        impls.append("inductor_max_autotune")
+                    if not train and approximate == "tanh":
+                        impls.append("addmm_activation")
+                    row = {}
+                    for impl in impls:
+                        t0 = time.perf_counter()
+                        ms = _time(_make(impl, approximate), x, w, b, grad, train)
+                        if impl == "inductor_max_autotune":
+                            autotune_left -= time.perf_counter() - t0
+                        tflops = flops / ms / 1e9
+                        results.add(impl, mode, case, ms, tflops=tflops)
+                        row[impl] = tflops
+                        print(f"{approximate:4} M={m} K={k} N={n} {mode:7} {impl:22} {ms:8.4f} ms "
+                              f"{tflops:6.1f} TFLOP/s", flush=True)
+                    others = [v for key, v in row.items() if key != "flash"]
+                    table.append([approximate, m, k, n, mode, row["flash"], row["eager"], row["inductor"],
+                                  row.get("inductor_max_autotune", "-"), row.get("addmm_activation", "-"),
+                                  row["flash"] / row["inductor"], row["flash"] / max(others)])
+                del x, w, b, grad
+    path = results.write()
+    print(f"\nwrote {path}\n")
+    print(markdown_table(
+        ["GELU", "M", "K", "N", "mode", "flash", "eager", "inductor", "max-autotune", "addmm_act",
+         "flash/inductor", "flash/best other"], table))
+    print("\n(TFLOP/s, bf16; '-' = not run)")
+
+
+if __name__ == "__main__":
+    main()

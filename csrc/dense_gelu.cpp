@@ -1,0 +1,296 @@
+// Matmul + bias (+ GELU) through cuBLASLt epilogues: the CUDA kernels behind flash_backend/ops/dense.py.
+//
+// Trade-off: cuBLASLt fuses the bias add, the GELU and the store of the pre-activation into the GEMM's
+// epilogue, so the forward costs one GEMM and no elementwise pass, and the bias gradient rides on the
+// weight-gradient GEMM (BGRADB) instead of a separate reduction over the (M, N) gradient. Its GELU
+// epilogues are the tanh approximation only: the Python side sends approximate="none" through the BIAS
+// epilogue and an erf GELU, never through these.
+//
+// Everything here is row-major PyTorch (x: (M, K), weight: (N, K) as in nn.Linear) mapped onto
+// cuBLASLt's column-major GEMM: a row-major (R, C) matrix is a column-major (C, R) one with ld = C.
+// Inputs are checked (and made contiguous) on the Python side; the TORCH_CHECKs below guard the ABI.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+// Hopper kernels want a large workspace (PyTorch gives cuBLASLt 32 MiB on sm_90 too).
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+void check_lt(cublasStatus_t status, const char* what) {
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "flash dense (cuBLASLt): ", what, " failed: ",
+              cublasLtGetStatusString(status));
+}
+
+struct MatmulDesc {
+  cublasLtMatmulDesc_t desc = nullptr;
+  MatmulDesc() { check_lt(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate"); }
+  ~MatmulDesc() { cublasLtMatmulDescDestroy(desc); }
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+    check_lt(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(T)), "MatmulDescSetAttribute");
+  }
+};
+
+struct Layout {
+  cublasLtMatrixLayout_t layout = nullptr;
+  Layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
+    check_lt(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld), "MatrixLayoutCreate");
+  }
+  ~Layout() { cublasLtMatrixLayoutDestroy(layout); }
+};
+
+struct Preference {
+  cublasLtMatmulPreference_t pref = nullptr;
+  Preference() { check_lt(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate"); }
+  ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
+  template <typename T>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(T)), "MatmulPreferenceSetAttribute");
+  }
+};
+
+// One column-major GEMM D(m, n) = op(A)(m, k) @ op(B)(k, n) with an epilogue. `bias` is the bias read by
+// the BIAS* epilogues or the bias gradient written by the *BGRAD* ones; `aux` the GELU input (written by
+// GELU_AUX*, read by DGELU*).
+struct LtGemm {
+  bool trans_a = false;
+  bool trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  void* bias = nullptr;
+  void* aux = nullptr;
+  int64_t ldaux = 0;
+};
+
+uint32_t alignment(const void* p) {
+  auto addr = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && addr % align != 0) align /= 2;
+  return align;
+}
+
+// The heuristic query costs tens of microseconds of CPU per call: cache its pick per problem.
+std::mutex algo_mutex;
+std::unordered_map<std::string, cublasLtMatmulAlgo_t> algo_cache;
+
+void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
+  const cudaDataType_t type = dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+
+  MatmulDesc desc;
+  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(op_a));
+  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(op_b));
+  desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(g.epilogue));
+  if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+  if (g.aux != nullptr) {
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ldaux);
+  }
+
+  Layout a_layout(type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda);
+  Layout b_layout(type, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb);
+  Layout d_layout(type, g.m, g.n, g.ldd);
+
+  const uint32_t align_a = alignment(g.a), align_b = alignment(g.b), align_d = alignment(g.d);
+  const std::string key = std::to_string(device.index()) + "/" + std::to_string(static_cast<int>(type)) + "/" +
+                          std::to_string(g.trans_a) + std::to_string(g.trans_b) + "/" + std::to_string(g.m) +
+                          "x" + std::to_string(g.n) + "x" + std::to_string(g.k) + "/" + std::to_string(g.lda) +
+                          "," + std::to_string(g.ldb) + "," + std::to_string(g.ldd) + "/" +
+                          std::to_string(static_cast<int>(g.epilogue)) + "/" + std::to_string(align_a) + "," +
+                          std::to_string(align_b) + "," + std::to_string(align_d);
+
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulAlgo_t algo;
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    auto it = algo_cache.find(key);
+    if (it != algo_cache.end()) {
+      algo = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    Preference pref;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kWorkspaceBytes));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a_layout.layout, b_layout.layout, d_layout.layout,
+                                            d_layout.layout, pref.pref, 1, &result, &found),
+             "MatmulAlgoGetHeuristic");
+    TORCH_CHECK(found > 0, "flash dense (cuBLASLt): no algorithm for ", key);
+    algo = result.algo;
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    algo_cache.emplace(key, algo);
+  }
+
+  at::Tensor workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)},
+                                   at::TensorOptions().dtype(at::kByte).device(device));
+  const float alpha = 1.0f, beta = 0.0f;
+  check_lt(cublasLtMatmul(handle, desc.desc, &alpha, g.a, a_layout.layout, g.b, b_layout.layout, &beta, g.d,
+                          d_layout.layout, g.d, d_layout.layout, &algo, workspace.data_ptr(), kWorkspaceBytes,
+                          at::cuda::getCurrentCUDAStream()),
+           "Matmul");
+}
+
+void check_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), "flash dense (cuBLASLt): ", name,
+              " must be a contiguous 2-D CUDA tensor, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "flash dense (cuBLASLt): ", name,
+              " must be float16 or bfloat16, got ", t.scalar_type());
+}
+
+// out = x @ weight.T + bias, optionally followed by tanh-GELU with the pre-activation kept in `pre`.
+std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at::Tensor& weight,
+                                                    const std::optional<at::Tensor>& bias, bool gelu_tanh) {
+  check_2d(x, "x");
+  check_2d(weight, "weight");
+  TORCH_CHECK(x.size(1) == weight.size(1), "flash dense (cuBLASLt): x and weight disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor pre = gelu_tanh ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
+  if (M == 0) return {out, pre};
+
+  LtGemm g;
+  // D^T (N, M) = W (N, K) @ x^T (K, M): A is the row-major weight read transposed, B the row-major x.
+  g.trans_a = true;
+  g.m = N;
+  g.n = M;
+  g.k = K;
+  g.a = weight.data_ptr();
+  g.lda = K;
+  g.b = x.data_ptr();
+  g.ldb = K;
+  g.d = out.data_ptr();
+  g.ldd = N;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->scalar_type() == x.scalar_type(),
+                "flash dense (cuBLASLt): bias must be a contiguous (N,) tensor of x's dtype");
+    g.bias = bias->data_ptr();
+  }
+  if (gelu_tanh) {
+    g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    g.aux = pre.data_ptr();
+    g.ldaux = N;
+  } else {
+    g.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  }
+  run_gemm(g, x.scalar_type(), x.device());
+  return {out, pre};
+}
+
+std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight,
+                                                             const std::optional<at::Tensor>& bias) {
+  return linear_epilogue(x, weight, bias, /*gelu_tanh=*/true);
+}
+
+at::Tensor cublaslt_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false));
+}
+
+// grad_weight = grad.T @ x and grad_bias = grad.sum(0), the sum done by the GEMM's BGRADB epilogue.
+std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor& grad, const at::Tensor& x) {
+  check_2d(grad, "grad");
+  check_2d(x, "x");
+  TORCH_CHECK(grad.size(0) == x.size(0) && grad.scalar_type() == x.scalar_type(),
+              "flash dense (cuBLASLt): grad and x disagree on M or dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = grad.size(1);
+  c10::cuda::CUDAGuard guard(x.device());
+  if (M == 0) return {at::zeros({N, K}, x.options()), at::zeros({N}, x.options())};
+  at::Tensor grad_weight = at::empty({N, K}, x.options());
+  at::Tensor grad_bias = at::empty({N}, x.options());
+  LtGemm g;
+  // dW^T (K, N) = x^T (K, M) @ grad (M, N); the bias gradient reduces op(B) over the GEMM's k (= M).
+  g.trans_b = true;
+  g.m = K;
+  g.n = N;
+  g.k = M;
+  g.a = x.data_ptr();
+  g.lda = K;
+  g.b = grad.data_ptr();
+  g.ldb = N;
+  g.d = grad_weight.data_ptr();
+  g.ldd = K;
+  g.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+  g.bias = grad_bias.data_ptr();
+  run_gemm(g, x.scalar_type(), x.device());
+  return {grad_weight, grad_bias};
+}
+
+// For a Linear -> tanh-GELU -> Linear chain: the second Linear's input gradient (grad @ weight) times
+// GELU'(pre), and its column sums (the first Linear's bias gradient), all in one GEMM (DGELU_BGRAD).
+// cuBLASLt applies GELU' to the GEMM's own output, so a lone Linear+GELU has no GEMM to hang it on.
+std::tuple<at::Tensor, at::Tensor> cublaslt_linear_dgrad_dgelu_bgrad(const at::Tensor& grad,
+                                                                     const at::Tensor& weight,
+                                                                     const at::Tensor& pre) {
+  check_2d(grad, "grad");
+  check_2d(weight, "weight");
+  check_2d(pre, "pre");
+  const int64_t M = grad.size(0), N = grad.size(1), H = weight.size(1);
+  TORCH_CHECK(weight.size(0) == N && pre.size(0) == M && pre.size(1) == H,
+              "flash dense (cuBLASLt): grad (M, N), weight (N, H) and pre (M, H) disagree");
+  c10::cuda::CUDAGuard guard(grad.device());
+  at::Tensor grad_pre = at::empty({M, H}, grad.options());
+  at::Tensor grad_bias = at::empty({H}, grad.options());
+  if (M == 0) return {grad_pre, grad_bias.zero_()};
+  LtGemm g;
+  // dpre^T (H, M) = W^T (H, N) @ grad^T (N, M); the bias gradient sums D's rows.
+  g.m = H;
+  g.n = M;
+  g.k = N;
+  g.a = weight.data_ptr();
+  g.lda = H;
+  g.b = grad.data_ptr();
+  g.ldb = N;
+  g.d = grad_pre.data_ptr();
+  g.ldd = H;
+  g.epilogue = CUBLASLT_EPILOGUE_DGELU_BGRAD;
+  g.bias = grad_bias.data_ptr();
+  g.aux = const_cast<void*>(pre.data_ptr());
+  g.ldaux = H;
+  run_gemm(g, grad.scalar_type(), grad.device());
+  return {grad_pre, grad_bias};
+}
+
+}  // namespace
+
+// A fragment: other csrc files register their own ops in the same `flash` namespace.
+TORCH_LIBRARY_FRAGMENT(flash, m) {
+  m.def("cublaslt_linear_gelu_tanh(Tensor x, Tensor weight, Tensor? bias) -> (Tensor out, Tensor pre)");
+  m.def("cublaslt_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("cublaslt_linear_wgrad_bgrad(Tensor grad, Tensor x) -> (Tensor grad_weight, Tensor grad_bias)");
+  m.def(
+      "cublaslt_linear_dgrad_dgelu_bgrad(Tensor grad, Tensor weight, Tensor pre) -> "
+      "(Tensor grad_pre, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(flash, CUDA, m) {
+  m.impl("cublaslt_linear_gelu_tanh", &cublaslt_linear_gelu_tanh);
+  m.impl("cublaslt_linear", &cublaslt_linear);
+  m.impl("cublaslt_linear_wgrad_bgrad", &cublaslt_linear_wgrad_bgrad);
+  m.impl("cublaslt_linear_dgrad_dgelu_bgrad", &cublaslt_linear_dgrad_dgelu_bgrad);
+}

@@ -1,0 +1,326 @@
+"""Fused Linear + bias (+ GELU), forward and backward: `torch.ops.flash.dense_gelu_*` / `dense_bias_*`.
+
+Trade-off. The matmul is cuBLASLt's (csrc/dense_gelu.cpp); what we fuse is the memory-bound work around
+it. Forward, the tanh GELU, the bias add and the store of the pre-activation (kept for backward) run in
+the GEMM's epilogue (GELU_AUX_BIAS): one GEMM, no elementwise pass. Backward, the bias gradient is the
+weight-gradient GEMM's BGRADB epilogue instead of a reduction over the (M, N) gradient; the GELU derivative
+stays one elementwise pass (aten.gelu_backward), because cuBLASLt's DGELU epilogue applies GELU' to the
+GEMM's own output, and a lone Linear+GELU has no GEMM producing the gradient of its output (that GEMM is
+the *next* layer's input gradient: see `cublaslt_linear_dgrad_dgelu_bgrad`, for a future Linear-GELU-Linear).
+
+Exact GELU. cuBLASLt's GELU epilogues compute the tanh approximation only (checked on the H200 by
+tests/test_dense.py::test_cublaslt_gelu_epilogue_is_tanh). approximate="none" is therefore never sent
+through them: it takes the BIAS epilogue (which writes the pre-activation) and an erf GELU elementwise;
+backward uses the erf derivative. So the exact model stays exact, at the cost of one elementwise pass.
+
+Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt. Everything else
+(CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch. No Triton matmul: not
+written yet (see bench/NOTES_dense.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flash_backend import _cpp_build
+
+__all__ = ["linear_bias_gelu", "linear_bias", "dense_gelu_reference", "dense_bias_reference"]
+
+APPROXIMATIONS = ("none", "tanh")
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (the CPU implementation)
+# --------------------------------------------------------------------------------------------------
+
+
+def dense_gelu_reference(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none",
+                         upcast: bool = False) -> tuple[Tensor, Tensor]:
+    """(gelu(x @ weight.T + bias), x @ weight.T + bias); in fp32 when `upcast`."""
+    if upcast:
+        x, weight = x.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    pre = F.linear(x, weight, bias)
+    return F.gelu(pre, approximate=approximate), pre
+
+
+def dense_gelu_backward_reference(grad_out: Tensor, x: Tensor, weight: Tensor, pre: Tensor,
+                                  approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+    grad_pre = torch.ops.aten.gelu_backward(grad_out, pre, approximate=approximate)
+    return dense_bias_backward_reference(grad_pre, x, weight)
+
+
+def dense_bias_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def dense_bias_backward_reference(grad_out: Tensor, x: Tensor,
+                                  weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_x = grad_out @ weight
+    grad_weight = grad_2d.t() @ x.reshape(-1, x.shape[-1])
+    return grad_x, grad_weight, grad_2d.sum(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks: before any kernel, in the real kernels and in the fakes alike
+# --------------------------------------------------------------------------------------------------
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"flash dense: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if not x.is_floating_point():
+        raise TypeError(f"flash dense: x must be a floating-point tensor, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("flash dense: x must have at least one dimension (..., K)")
+    if weight.dim() != 2:
+        raise ValueError(f"flash dense: weight must be 2-D (N, K) like nn.Linear.weight, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"flash dense: weight is (N, K) = {tuple(weight.shape)} but x's last dimension is "
+                         f"{x.shape[-1]}, expected K = {weight.shape[1]}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"flash dense: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"flash dense: weight is on {weight.device} but x is on {x.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"flash dense: bias must have shape (N,) = ({weight.shape[0]},), "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"flash dense: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"flash dense: bias is on {bias.device} but x is on {x.device}")
+
+
+def _check_bwd(grad_out: Tensor, x: Tensor, weight: Tensor) -> None:
+    _check(x, weight, None)
+    expected = (*x.shape[:-1], weight.shape[0])
+    if tuple(grad_out.shape) != expected:
+        raise ValueError(f"flash dense: grad_out must have shape {expected}, got {tuple(grad_out.shape)}")
+    if grad_out.dtype != x.dtype or grad_out.device != x.device:
+        raise TypeError(f"flash dense: grad_out ({grad_out.dtype}, {grad_out.device}) must match x "
+                        f"({x.dtype}, {x.device})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The cuBLASLt extension (built on first CUDA use)
+# --------------------------------------------------------------------------------------------------
+
+_build_warned = False
+
+
+def _extension() -> None:
+    """Build/load csrc/dense_gelu.cpp (raises CppBuildError), and give its ops fakes for opcheck."""
+    first = "dense_gelu" not in _cpp_build._loaded
+    _cpp_build.load_extension("dense_gelu", ["dense_gelu.cpp"], libraries=("cublasLt",), header="cublasLt.h")
+    if first:
+        _register_cpp_fakes()
+
+
+def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
+    global _build_warned
+    if not (x.is_cuda and x.dtype in _CUDA_DTYPES and x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0):
+        return False
+    try:
+        _extension()
+    except _cpp_build.CppBuildError as e:
+        if not _build_warned:
+            warnings.warn(f"{e}\nflash dense: falling back to the PyTorch reference", stacklevel=3)
+            _build_warned = True
+        return False
+    return True
+
+
+def _register_cpp_fakes() -> None:
+    @torch.library.register_fake("flash::cublaslt_linear_gelu_tanh")
+    def _(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("flash::cublaslt_linear")
+    def _(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("flash::cublaslt_linear_wgrad_bgrad")
+    def _(grad, x):
+        return x.new_empty(grad.shape[1], x.shape[1]), x.new_empty(grad.shape[1])
+
+    @torch.library.register_fake("flash::cublaslt_linear_dgrad_dgelu_bgrad")
+    def _(grad, weight, pre):
+        return pre.new_empty(pre.shape), pre.new_empty(pre.shape[1])
+
+
+def _as_2d(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
+                      x_shape) -> tuple[Tensor, Tensor, Tensor]:
+    grad_x = (grad_pre_2d @ weight).view(*x_shape)
+    grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad_pre_2d, _as_2d(x))
+    return grad_x, grad_weight, grad_bias
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops: flash::dense_gelu_fwd / _bwd, flash::dense_bias_fwd / _bwd
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash::dense_gelu_fwd", mutates_args=())
+def dense_gelu_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> tuple[Tensor, Tensor]:
+    """x (..., K), weight (N, K), bias (N,) or None -> (gelu(pre), pre), both (..., N) and contiguous."""
+    _check(x, weight, bias, approximate)
+    out, pre = dense_gelu_reference(x, weight, bias, approximate)
+    return out.contiguous(), pre.contiguous()
+
+
+@dense_gelu_fwd.register_kernel("cuda")
+def _(x, weight, bias, approximate):
+    _check(x, weight, bias, approximate)
+    if not _cublaslt_ok(x, weight):
+        out, pre = dense_gelu_reference(x, weight, bias, approximate)
+        return out.contiguous(), pre.contiguous()
+    shape = (*x.shape[:-1], weight.shape[0])
+    bias = bias.contiguous() if bias is not None else None
+    if approximate == "tanh":
+        out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias)
+    else:
+        pre = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
+        out = F.gelu(pre, approximate="none")
+    return out.view(shape), pre.view(shape)
+
+
+@dense_gelu_fwd.register_fake
+def _(x, weight, bias, approximate):
+    _check(x, weight, bias, approximate)
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+@torch.library.custom_op("flash::dense_gelu_bwd", mutates_args=())
+def dense_gelu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pre: Tensor,
+                   approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (grad_x (..., K), grad_weight (N, K), grad_bias (N,)), all contiguous."""
+    _check_bwd(grad_out, x, weight)
+    grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
+    return tuple(g.contiguous() for g in grads)
+
+
+@dense_gelu_bwd.register_kernel("cuda")
+def _(grad_out, x, weight, pre, approximate):
+    _check_bwd(grad_out, x, weight)
+    if not _cublaslt_ok(x, weight):
+        grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
+        return tuple(g.contiguous() for g in grads)
+    grad_pre = torch.ops.aten.gelu_backward(_as_2d(grad_out), _as_2d(pre), approximate=approximate)
+    return _cuda_wgrad_bgrad(grad_pre, x, weight.contiguous(), x.shape)
+
+
+@dense_gelu_bwd.register_fake
+def _(grad_out, x, weight, pre, approximate):
+    _check_bwd(grad_out, x, weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+@torch.library.custom_op("flash::dense_bias_fwd", mutates_args=())
+def dense_bias_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., K), weight (N, K), bias (N,) or None -> x @ weight.T + bias, (..., N) contiguous."""
+    _check(x, weight, bias)
+    return dense_bias_reference(x, weight, bias).contiguous()
+
+
+@dense_bias_fwd.register_kernel("cuda")
+def _(x, weight, bias):
+    _check(x, weight, bias)
+    if not _cublaslt_ok(x, weight):
+        return dense_bias_reference(x, weight, bias).contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    out = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@dense_bias_fwd.register_fake
+def _(x, weight, bias):
+    _check(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flash::dense_bias_bwd", mutates_args=())
+def dense_bias_bwd(grad_out: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (grad_x (..., K), grad_weight (N, K), grad_bias (N,)), all contiguous."""
+    _check_bwd(grad_out, x, weight)
+    return tuple(g.contiguous() for g in dense_bias_backward_reference(grad_out, x, weight))
+
+
+@dense_bias_bwd.register_kernel("cuda")
+def _(grad_out, x, weight):
+    _check_bwd(grad_out, x, weight)
+    if not _cublaslt_ok(x, weight):
+        return tuple(g.contiguous() for g in dense_bias_backward_reference(grad_out, x, weight))
+    return _cuda_wgrad_bgrad(_as_2d(grad_out), x, weight.contiguous(), x.shape)
+
+
+@dense_bias_bwd.register_fake
+def _(grad_out, x, weight):
+    _check_bwd(grad_out, x, weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+def _setup_gelu(ctx, inputs, output):
+    x, weight, bias, approximate = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.approximate = approximate
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_gelu(ctx, grad_out, _grad_pre):
+    x, weight, pre = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = torch.ops.flash.dense_gelu_bwd(grad_out, x, weight, pre, ctx.approximate)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None
+
+
+torch.library.register_autograd("flash::dense_gelu_fwd", _backward_gelu, setup_context=_setup_gelu)
+
+
+def _setup_bias(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward_bias(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = torch.ops.flash.dense_bias_bwd(grad_out, x, weight)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None
+
+
+torch.library.register_autograd("flash::dense_bias_fwd", _backward_bias, setup_context=_setup_bias)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions (what the fx_passes rewrite emits)
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> Tensor:
+    """F.gelu(F.linear(x, weight, bias), approximate=approximate), fused. weight is (N, K) like nn.Linear."""
+    _check(x, weight, bias, approximate)
+    return torch.ops.flash.dense_gelu_fwd(x, weight, bias, approximate)[0]
+
+
+def linear_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear(x, weight, bias), with the bias gradient fused into the weight-gradient GEMM."""
+    _check(x, weight, bias)
+    return torch.ops.flash.dense_bias_fwd(x, weight, bias)

@@ -1,0 +1,228 @@
+"""flash::dense_gelu_* / dense_bias_*: reference, op contract, autograd, errors; cuBLASLt on the GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+from flash_backend.ops import dense
+from flash_backend.ops.dense import dense_gelu_reference, linear_bias, linear_bias_gelu
+
+APPROX = ["none", "tanh"]
+
+
+def _inputs(shape, n, dtype=torch.float32, device="cpu", bias=True, requires_grad=False):
+    k = shape[-1]
+    x = torch.randn(*shape, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    for t in (x, w, b):
+        if t is not None:
+            t.requires_grad_(requires_grad)
+    return x, w, b
+
+
+def _grads(fn, x, w, b, grad):
+    out = fn(x, w, b)
+    leaves = [t for t in (x, w, b) if t is not None]
+    return [out.detach()] + [g.detach() for g in torch.autograd.grad(out, leaves, grad)]
+
+
+# ---------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_fp64(approximate, dtype):
+    x, w, b = _inputs((97, 48), 40, dtype)
+    out, pre = dense_gelu_reference(x, w, b, approximate)
+    out64, pre64 = dense_gelu_reference(x.double(), w.double(), b.double(), approximate)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), out64, atol=tol, rtol=tol)
+    torch.testing.assert_close(pre.double(), pre64, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(37, 24), (3, 7, 24)])
+def test_autograd_matches_torch(approximate, bias, shape):
+    x, w, b = _inputs(shape, 16, torch.float64, bias=bias, requires_grad=True)
+    grad = torch.randn(*shape[:-1], 16, dtype=torch.float64)
+    ours = _grads(lambda x, w, b: linear_bias_gelu(x, w, b, approximate), x, w, b, grad)
+    ref = _grads(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate), x, w, b, grad)
+    for a, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, r)
+    ours = _grads(linear_bias, x, w, b, grad)
+    ref = _grads(F.linear, x, w, b, grad)
+    for a, r in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, r)
+
+
+def test_gradcheck():
+    x, w, b = _inputs((5, 8), 6, torch.float64, requires_grad=True)
+    for approximate in APPROX:
+        assert torch.autograd.gradcheck(lambda *t, a=approximate: linear_bias_gelu(*t, a), (x, w, b))
+    assert torch.autograd.gradcheck(linear_bias, (x, w, b))
+
+
+def _opcheck_all(device, dtype):
+    x, w, b = _inputs((2, 9, 16), 24, dtype, device, requires_grad=True)
+    x_t = torch.randn(16, 18, dtype=dtype, device=device).t().requires_grad_()  # non-contiguous x
+    g = torch.randn(2, 9, 24, dtype=dtype, device=device)
+    pre = torch.randn(2, 9, 24, dtype=dtype, device=device)
+    for approximate in APPROX:
+        opcheck(torch.ops.flash.dense_gelu_fwd, (x, w, b, approximate))
+        opcheck(torch.ops.flash.dense_gelu_fwd, (x_t, w, None, approximate))
+        opcheck(torch.ops.flash.dense_gelu_bwd, (g, x.detach(), w.detach(), pre, approximate))
+    opcheck(torch.ops.flash.dense_bias_fwd, (x, w, b))
+    opcheck(torch.ops.flash.dense_bias_fwd, (x_t, w, None))
+    opcheck(torch.ops.flash.dense_bias_bwd, (g, x.detach(), w.detach()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_cpu(dtype):
+    _opcheck_all("cpu", dtype)
+
+
+def test_fake_mirrors_real_allocation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, b = _inputs((3, 5, 16), 24)
+    real = torch.ops.flash.dense_gelu_fwd(x, w, b, "none")
+    with FakeTensorMode() as mode:
+        fx, fw, fb = (mode.from_tensor(t) for t in (x, w, b))
+        fake = torch.ops.flash.dense_gelu_fwd(fx, fw, fb, "none")
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+def test_errors_name_the_argument():
+    x, w, b = _inputs((4, 16), 8)
+    with pytest.raises(ValueError, match="approximate"):
+        linear_bias_gelu(x, w, b, approximate="sigmoid")
+    with pytest.raises(ValueError, match="K = 16"):
+        linear_bias_gelu(x[:, :15], w, b)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        linear_bias_gelu(x, w[0], b)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        linear_bias(x, w, b[:4])
+    with pytest.raises(TypeError, match="weight dtype"):
+        linear_bias_gelu(x, w.double(), b)
+    with pytest.raises(TypeError, match="bias dtype"):
+        linear_bias(x, w, b.half())
+    with pytest.raises(TypeError, match="floating-point"):
+        linear_bias(x.long(), w, b)
+    with pytest.raises(ValueError, match="grad_out"):
+        torch.ops.flash.dense_gelu_bwd(torch.randn(4, 9), x, w, torch.randn(4, 8), "none")
+
+
+def test_cpu_never_builds(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("tried to build the CUDA extension")
+
+    monkeypatch.setattr(dense._cpp_build, "load_extension", boom)
+    x, w, b = _inputs((4, 16), 8)
+    linear_bias_gelu(x, w, b, "tanh")
+    linear_bias(x, w, b)
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+_NAMES = ["out", "grad_x", "grad_weight", "grad_bias"]
+
+
+def _errors(fn, ref_fn, x, w, b, grad):
+    """Max abs error of fn's (out, grads) against the fp32 reference, per output."""
+    ours = _grads(fn, x, w, b, grad)
+    ref = _grads(ref_fn, *(t.detach().float().requires_grad_() if t is not None else None for t in (x, w, b)),
+                 grad.float())
+    return [(a.float() - r).abs().max().item() for a, r in zip(ours, ref, strict=True)]
+
+
+@pytest.mark.cuda
+def test_extension_builds():
+    dense._extension()
+    assert hasattr(torch.ops.flash, "cublaslt_linear_gelu_tanh")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,n,bias", [((97, 768), 3072, True), ((1000, 256), 1024, True),
+                                          ((4, 250, 512), 1536, True), ((1000, 256), 1024, False)])
+def test_cuda_matches_reference(approximate, dtype, shape, n, bias):
+    x, w, b = _inputs(shape, n, dtype, "cuda", bias=bias, requires_grad=True)
+    grad = torch.randn(*shape[:-1], n, dtype=dtype, device="cuda")
+    gelu = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate)
+    ours = _errors(lambda x, w, b: linear_bias_gelu(x, w, b, approximate), gelu, x, w, b, grad)
+    torch_lp = _errors(gelu, gelu, x, w, b, grad)
+    floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for name, e, e_torch in zip(_NAMES[: len(ours)], ours, torch_lp, strict=True):
+        assert e <= 2 * e_torch + floor, (name, e, e_torch)
+    ours = _errors(linear_bias, F.linear, x, w, b, grad)
+    torch_lp = _errors(F.linear, F.linear, x, w, b, grad)
+    for name, e, e_torch in zip(_NAMES[: len(ours)], ours, torch_lp, strict=True):
+        assert e <= 2 * e_torch + floor, (name, e, e_torch)
+
+
+@pytest.mark.cuda
+def test_cublaslt_gelu_epilogue_is_tanh():
+    """The GELU epilogue is the tanh approximation. Pre-activations are laid out exactly (x = I) over
+    [-6, 6] in fp16; on the negative side the outputs are small (fp16 rounding <= 6e-5) while erf and tanh
+    GELU differ by up to 5e-4, so the epilogue's output must sit on one curve and off the other."""
+    dense._extension()
+    k = 64
+    x = torch.eye(k, dtype=torch.float16, device="cuda")
+    w = torch.linspace(-6, 6, 64 * k, device="cuda").view(64, k).half()
+    b = torch.zeros(64, dtype=torch.float16, device="cuda")
+    out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(x, w, b)
+    assert torch.equal(pre, w.t())  # the aux output is the exact pre-activation
+    p = pre.double()
+    neg = p < 0
+
+    def max_err(y, approximate):
+        return (y.double() - F.gelu(p, approximate=approximate))[neg].abs().max().item()
+
+    err_tanh, err_erf = max_err(out, "tanh"), max_err(out, "none")
+    print(f"GELU epilogue (pre < 0): max |out - gelu_tanh| = {err_tanh:.2e}, "
+          f"max |out - gelu_erf| = {err_erf:.2e}")
+    assert err_tanh < err_erf / 4
+    # ...so approximate="none" must not take it: the exact path stays on the erf curve.
+    out_none = linear_bias_gelu(x, w, b, "none")
+    assert max_err(out_none, "none") < err_erf / 4
+    assert max_err(linear_bias_gelu(x, w, b, "tanh"), "tanh") < err_erf / 4
+
+
+@pytest.mark.cuda
+def test_cublaslt_dgelu_bgrad_epilogue():
+    dense._extension()
+    m, n, h = 1000, 512, 768
+    grad = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, h, dtype=torch.bfloat16, device="cuda") / n**0.5
+    pre = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    grad_pre, grad_bias = torch.ops.flash.cublaslt_linear_dgrad_dgelu_bgrad(grad, w, pre)
+    ref = torch.ops.aten.gelu_backward(grad.float() @ w.float(), pre.float(), approximate="tanh")
+    torch.testing.assert_close(grad_pre.float(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(grad_bias.float(), ref.sum(0), atol=0.5, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_unsupported_shapes_fall_back():
+    x, w, b = _inputs((33, 20), 12, torch.bfloat16, "cuda")  # K, N not multiples of 8
+    out = linear_bias_gelu(x, w, b, "tanh")
+    ref, _ = dense_gelu_reference(x, w, b, "tanh")
+    torch.testing.assert_close(out, ref)
+    x, w, b = _inputs((33, 64), 32, torch.float32, "cuda")  # fp32: reference
+    torch.testing.assert_close(linear_bias_gelu(x, w, b), F.gelu(F.linear(x, w, b)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_cuda(dtype):
+    _opcheck_all("cuda", dtype)
+    dense._extension()
+    x, w, b = _inputs((40, 64), 32, dtype, "cuda")
+    opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, b))
+    opcheck(torch.ops.flash.cublaslt_linear, (x, w, None))
+    opcheck(torch.ops.flash.cublaslt_linear_wgrad_bgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
