@@ -15,7 +15,9 @@ setup(
         "triton>=3.6,<3.7; platform_system=='Linux'",
         "ninja",
     ],
-    extras_require={"test": ["pytest", "expecttest"]},
+    # transformers builds the small random-initialised GPT-2 / BERT / ViT models the attention
+    # rewrite is tested on (no downloads); it does not pull torch or torchvision.
+    extras_require={"test": ["pytest", "expecttest", "transformers>=5.17,<6"]},
     entry_points={
         # torch.compile(model, backend="flash") finds the backend here: no import needed.
         "torch_dynamo_backends": ["flash = flash_backend.backend:flash_backend"],
