@@ -1,0 +1,741 @@
+"""Fused dropout + residual add + LayerNorm / RMSNorm: `torch.ops.flash.add_dropout_norm_{fwd,bwd}`.
+
+    h   = dropout(x, p) + residual          (both optional; h is rounded to residual_out's dtype)
+    out = LayerNorm(h) * weight + bias      or   RMSNorm(h) * weight
+
+One pass over memory in each direction. Trade-offs:
+
+- The dropout mask is never stored: it is regenerated in backward from an int64 seed *tensor* with Philox
+  (`tl.randint4x`, one call per four columns), so no byte mask moves and no host sync happens (CUDA-graph
+  safe). The CPU reference runs the same Philox in plain torch, so CPU, GPU and the interpreter compute the
+  same function bit for bit in the mask.
+- h is written whenever it differs from x (residual, dropout or dtype change) and backward reads it back:
+  one read of h is cheaper than re-reading x and residual. When h is x, nothing is written and backward
+  reads x.
+- The norm sees h *after* rounding to residual_out's dtype, as eager `F.layer_norm(dropout(x) + res)` does.
+- A row up to `_MAX_FUSED_N` columns lives in registers (one pass); wider rows (up to 65536) loop over
+  chunks: Welford/Chan statistics in a first pass that also writes h, normalisation in a second pass that
+  re-reads h (from L2). Backward keeps the partial dW/dB of several rows in registers per program, like
+  flash-attn's layer_norm.py, and sums the per-program partials afterwards; for chunked rows the partials
+  are accumulated in the program's own row of the partial buffer instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+MAX_N = 65536
+_MAX_FUSED_N_FWD = 16384
+_MAX_FUSED_N_BWD = 8192
+_MIN_BLOCK_N = 16
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_M32 = 0xFFFFFFFF
+# Philox-4x32 constants, as in triton.language.random.philox_impl.
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEEP_BITS = 24  # keep an element when the top 24 bits of its random word are >= round(p * 2**24)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dropout mask (shared by the reference and the kernels)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dropout_threshold(p: float) -> int:
+    return int(round(p * (1 << _KEEP_BITS)))
+
+
+def _umul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for uint32 values held in int64, without int64 overflow."""
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    p_lo, p_hi = a_lo * b, a_hi * b
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
+    return hi, lo
+
+
+def dropout_keep_mask(seed: torch.Tensor, rows: int, n: int, dropout_p: float) -> torch.Tensor:
+    """The (rows, n) bool keep-mask the kernels draw for `seed` (an int64 tensor of one element)."""
+    device = seed.device
+    n4 = triton.cdiv(n, 4)
+    off = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * n4 + torch.arange(
+        n4, device=device, dtype=torch.int64
+    )
+    s = seed.reshape(()).to(torch.int64)
+    k0, k1 = s & _M32, (s >> 32) & _M32
+    c0, c1 = off & _M32, (off >> 32) & _M32
+    c2 = torch.zeros_like(off)
+    c3 = torch.zeros_like(off)
+    for _ in range(10):
+        hi_b, lo_b = _umul32(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _umul32(c0, _PHILOX_ROUND_A)
+        c0, c2 = hi_b ^ c1 ^ k0, hi_a ^ c3 ^ k1
+        c1, c3 = lo_b, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    r = torch.stack([c0, c1, c2, c3], dim=-1).reshape(rows, n4 * 4)[:, :n]
+    return (r >> (32 - _KEEP_BITS)) >= _dropout_threshold(dropout_p)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (the CPU implementation)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dtypes(x, residual, residual_in_fp32):
+    h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    residual_dtype = torch.float32 if residual_in_fp32 else h_dtype
+    return h_dtype, residual_dtype
+
+
+def _stores_residual_out(x, residual, dropout_p, residual_in_fp32, return_residual) -> bool:
+    _, residual_dtype = _dtypes(x, residual, residual_in_fp32)
+    return return_residual or residual is not None or dropout_p > 0.0 or residual_dtype != x.dtype
+
+
+def _allocate_fwd(x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual):
+    """The forward's outputs, exactly as every implementation (CUDA, CPU, fake) allocates them."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    out_dtype, residual_dtype = _dtypes(x, residual, residual_in_fp32)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if _stores_residual_out(x, residual, dropout_p, residual_in_fp32, return_residual):
+        residual_out = torch.empty(x.shape, dtype=residual_dtype, device=x.device)
+    else:
+        residual_out = torch.empty((0,), dtype=residual_dtype, device=x.device)
+    mean = torch.empty((0 if is_rms_norm else m,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    return out, residual_out, mean, rstd
+
+
+def add_dropout_norm_ref(x, residual=None, weight=None, bias=None, seed=None, eps=1e-5, dropout_p=0.0,
+                         is_rms_norm=False, residual_in_fp32=False, upcast=False):
+    """Plain-torch (out, h, mean, rstd) in fp32 math; `upcast=True` computes in fp64 and skips the rounding
+    of h, for use as the accuracy reference in tests."""
+    n = x.shape[-1]
+    compute = torch.float64 if upcast else torch.float32
+    _, residual_dtype = _dtypes(x, residual, residual_in_fp32)
+    h = x.reshape(-1, n).to(compute)
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, h.shape[0], n, dropout_p)
+        h = torch.where(keep, h * (1.0 / (1.0 - dropout_p)), 0.0)
+    if residual is not None:
+        h = h + residual.reshape(-1, n).to(compute)
+    if not upcast:
+        h = h.to(residual_dtype).to(compute)
+    if is_rms_norm:
+        mean = None
+        rstd = torch.rsqrt(h.square().mean(-1) + eps)
+        y = h * rstd[:, None]
+    else:
+        mean = h.mean(-1)
+        rstd = torch.rsqrt((h - mean[:, None]).square().mean(-1) + eps)
+        y = (h - mean[:, None]) * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.reshape(x.shape), h.reshape(x.shape), mean, rstd
+
+
+def _fwd_cpu(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual):
+    out, residual_out, mean, rstd = _allocate_fwd(
+        x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual
+    )
+    y, h, mean_ref, rstd_ref = add_dropout_norm_ref(
+        x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32
+    )
+    out.copy_(y)
+    if residual_out.numel():
+        residual_out.copy_(h)
+    if mean.numel():
+        mean.copy_(mean_ref)
+    rstd.copy_(rstd_ref)
+    return out, residual_out, mean, rstd
+
+
+def _bwd_cpu(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm, has_residual,
+             x_dtype, residual_dtype):
+    dx, dresidual, dweight, dbias = _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype)
+    n = h.shape[-1]
+    hf = h.reshape(-1, n).float()
+    dyf = dy.reshape(-1, n).float()
+    xhat = hf * rstd[:, None] if is_rms_norm else (hf - mean[:, None]) * rstd[:, None]
+    wdy = dyf * weight.float() if weight is not None else dyf
+    c1 = (xhat * wdy).mean(-1, keepdim=True)
+    if is_rms_norm:
+        dh = (wdy - xhat * c1) * rstd[:, None]
+    else:
+        dh = (wdy - xhat * c1 - wdy.mean(-1, keepdim=True)) * rstd[:, None]
+    if dresidual_out is not None:
+        dh = dh + dresidual_out.reshape(-1, n).float()
+    if has_residual:
+        dresidual.copy_(dh.reshape(dresidual.shape))
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, hf.shape[0], n, dropout_p)
+        dh = torch.where(keep, dh * (1.0 / (1.0 - dropout_p)), 0.0)
+    dx.copy_(dh.reshape(dx.shape))
+    if weight is not None:
+        dweight.copy_((dyf * xhat).sum(0))
+    if bias is not None:
+        dbias.copy_(dyf.sum(0))
+    return dx, dresidual, dweight, dbias
+
+
+def _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype):
+    dx = torch.empty(h.shape, dtype=x_dtype, device=h.device)
+    empty = (0,)
+    dresidual = torch.empty(h.shape if has_residual else empty, dtype=residual_dtype, device=h.device)
+    dweight = torch.empty(weight.shape if weight is not None else empty,
+                          dtype=weight.dtype if weight is not None else torch.float32, device=h.device)
+    dbias = torch.empty(bias.shape if bias is not None else empty,
+                        dtype=bias.dtype if bias is not None else torch.float32, device=h.device)
+    return dx, dresidual, dweight, dbias
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask of BLOCK_N columns from col_start (a multiple of 4): one Philox call per 4 columns."""
+    quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_N,))
+    return (r >> (32 - 24)).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, threshold, dropout_scale,
+                     stride_x_row, stride_res_row, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     HAS_DROPOUT: tl.constexpr):
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        h = tl.where(_dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N), h * dropout_scale, 0.0)
+    if HAS_RESIDUAL:
+        h += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _add_dropout_norm_fwd_kernel(
+    X,  # (M, N) input
+    RESIDUAL,  # (M, N) residual, when HAS_RESIDUAL
+    WEIGHT,  # (N,)
+    BIAS,  # (N,)
+    SEED,  # (1,) int64 dropout seed
+    OUT,  # (M, N) normalised output
+    RESIDUAL_OUT,  # (M, N) h = dropout(x) + residual, when STORE_RESIDUAL_OUT
+    MEAN,  # (M,) fp32, LayerNorm only
+    RSTD,  # (M,) fp32
+    stride_x_row,  # row strides; columns are contiguous
+    stride_res_row,
+    stride_out_row,
+    stride_res_out_row,
+    N,
+    n_quads,  # cdiv(N, 4): Philox counters per row
+    eps,
+    dropout_threshold,
+    dropout_scale,
+    BLOCK_N: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,  # 1: the row fits in registers; else loop over BLOCK_N-wide chunks
+    IS_RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
+                             stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT)
+        if STORE_RESIDUAL_OUT:
+            h = h.to(RESIDUAL_OUT.dtype.element_ty)
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        if IS_RMS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+            y = h * rstd
+        else:
+            mean = tl.sum(h, axis=0) / N
+            hc = tl.where(mask, h - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            tl.store(MEAN + row, mean)
+            y = hc * rstd
+        tl.store(RSTD + row, rstd)
+        if HAS_WEIGHT:
+            y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
+        tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: h chunk by chunk (written out), statistics merged with Chan's formula.
+        mean = 0.0
+        m2 = 0.0
+        for c in range(NUM_CHUNKS):
+            col_start = c * BLOCK_N
+            cols = col_start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            h = _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, dropout_threshold,
+                                 dropout_scale, stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL,
+                                 HAS_DROPOUT)
+            if STORE_RESIDUAL_OUT:
+                h = h.to(RESIDUAL_OUT.dtype.element_ty)
+                tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
+                h = h.to(tl.float32)
+            if IS_RMS_NORM:
+                m2 += tl.sum(h * h, axis=0)
+            else:
+                n_prev = (col_start * 1.0)
+                n_c = tl.minimum(N - col_start, BLOCK_N) * 1.0
+                mean_c = tl.sum(h, axis=0) / n_c
+                hc = tl.where(mask, h - mean_c, 0.0)
+                delta = mean_c - mean
+                total = n_prev + n_c
+                mean += delta * (n_c / total)
+                m2 += tl.sum(hc * hc, axis=0) + delta * delta * (n_prev * n_c / total)
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        if not IS_RMS_NORM:
+            tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+        tl.debug_barrier()
+        # Pass 2: re-read h (hot in L2) and normalise.
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            if STORE_RESIDUAL_OUT:
+                h = tl.load(RESIDUAL_OUT + row * stride_res_out_row + cols, mask=mask, other=0.0)
+            else:
+                h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0)
+            h = h.to(tl.float32)
+            if IS_RMS_NORM:
+                y = h * rstd
+            else:
+                y = (h - mean) * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
+            tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
+                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
+    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS_NORM:
+        xhat = h * rstd
+    else:
+        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+    if HAS_WEIGHT:
+        wdy = dy * tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        wdy = dy
+    return dy, xhat, wdy
+
+
+@triton.jit
+def _add_dropout_norm_bwd_kernel(
+    H,  # (M, N) the pre-norm sum h (or x when h is x)
+    DY,  # (M, N) grad of out
+    DRESIDUAL_OUT,  # (M, N) grad of residual_out, when HAS_DRESIDUAL_OUT
+    WEIGHT,  # (N,)
+    MEAN,  # (M,) fp32, LayerNorm only
+    RSTD,  # (M,) fp32
+    SEED,  # (1,) int64 dropout seed
+    DX,  # (M, N) grad of x
+    DRESIDUAL,  # (M, N) grad of residual, when STORE_DRESIDUAL
+    DW_PARTIAL,  # (programs, N) fp32 per-program partial dW
+    DB_PARTIAL,  # (programs, N) fp32 per-program partial dB
+    stride_h_row,  # row strides; columns are contiguous
+    stride_dy_row,
+    stride_dres_out_row,
+    stride_dx_row,
+    stride_dres_row,
+    M,
+    N,
+    n_quads,
+    rows_per_program,
+    dropout_threshold,
+    dropout_scale,
+    BLOCK_N: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr,
+    HAS_DRESIDUAL_OUT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    seed = tl.load(SEED) if HAS_DROPOUT else 0
+    if NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        r = row_start
+        # A while loop: the interpreter (numpy 2) cannot run range() over a runtime bound.
+        while r < row_end:
+            row = r.to(tl.int64)
+            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            mask = cols < N
+            dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
+                                            stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+            if HAS_WEIGHT:
+                dw += dy * xhat
+            if HAS_BIAS:
+                db += dy
+            c1 = tl.sum(xhat * wdy, axis=0) / N
+            if IS_RMS_NORM:
+                dh = (wdy - xhat * c1) * rstd
+            else:
+                c2 = tl.sum(wdy, axis=0) / N
+                dh = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_DRESIDUAL_OUT:
+                dh += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0).to(
+                    tl.float32)
+            if STORE_DRESIDUAL:
+                tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty),
+                         mask=mask)
+            if HAS_DROPOUT:
+                keep = _dropout_keep(seed, row, 0, n_quads, dropout_threshold, BLOCK_N)
+                dh = tl.where(keep, dh * dropout_scale, 0.0)
+            tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
+            r += 1
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
+    else:
+        r = row_start
+        # A while loop: the interpreter (numpy 2) cannot run range() over a runtime bound.
+        while r < row_end:
+            row = r.to(tl.int64)
+            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            # Pass 1: the two row reductions.
+            s1 = 0.0
+            s2 = 0.0
+            for c in range(NUM_CHUNKS):
+                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
+                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                s1 += tl.sum(xhat * wdy, axis=0)
+                s2 += tl.sum(wdy, axis=0)
+            c1 = s1 / N
+            c2 = s2 / N
+            # Pass 2: gradients; this program's own partial dW/dB row accumulates in memory.
+            for c in range(NUM_CHUNKS):
+                col_start = c * BLOCK_N
+                cols = col_start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
+                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                if HAS_WEIGHT:
+                    dw = tl.load(DW_PARTIAL + pid * N + cols, mask=mask, other=0.0)
+                    tl.store(DW_PARTIAL + pid * N + cols, dw + dy * xhat, mask=mask)
+                if HAS_BIAS:
+                    db = tl.load(DB_PARTIAL + pid * N + cols, mask=mask, other=0.0)
+                    tl.store(DB_PARTIAL + pid * N + cols, db + dy, mask=mask)
+                if IS_RMS_NORM:
+                    dh = (wdy - xhat * c1) * rstd
+                else:
+                    dh = (wdy - (xhat * c1 + c2)) * rstd
+                if HAS_DRESIDUAL_OUT:
+                    dh += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0).to(
+                        tl.float32)
+                if STORE_DRESIDUAL:
+                    tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty),
+                             mask=mask)
+                if HAS_DROPOUT:
+                    keep = _dropout_keep(seed, row, col_start, n_quads, dropout_threshold, BLOCK_N)
+                    dh = tl.where(keep, dh * dropout_scale, 0.0)
+                tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
+            r += 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers (also called directly by the interpreter tests, on CPU tensors)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _block_and_chunks(n: int, max_fused: int) -> tuple[int, int]:
+    block_n = max(triton.next_power_of_2(n), _MIN_BLOCK_N)
+    if block_n <= max_fused:
+        return block_n, 1
+    return max_fused, triton.cdiv(n, max_fused)
+
+
+def _num_warps(block_n: int, elems_per_thread: int) -> int:
+    return min(max(block_n // (32 * elems_per_thread), 1), 16)
+
+
+def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A (M, N) view with contiguous columns (copies only when the last dim is strided)."""
+    if t is None:
+        return None
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm,
+                                residual_in_fp32, return_residual, *, launch=None):
+    """Allocate the outputs and run the forward kernel. `launch` wraps the kernel (wrap_triton in the op)."""
+    out, residual_out, mean, rstd = _allocate_fwd(
+        x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual
+    )
+    n = x.shape[-1]
+    m = rstd.shape[0]
+    if m == 0:
+        return out, residual_out, mean, rstd
+    x2, res2 = _rows(x, n), _rows(residual, n)
+    out2 = out.view(-1, n)
+    store_h = residual_out.numel() > 0
+    res_out2 = residual_out.view(-1, n) if store_h else out2
+    block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_FWD)
+    has_dropout = dropout_p > 0.0
+    kernel = (launch or (lambda k: k))(_add_dropout_norm_fwd_kernel)
+    kernel[(m,)](
+        x2, res2 if res2 is not None else x2, weight if weight is not None else x2,
+        bias if bias is not None else x2, seed if has_dropout else rstd,
+        out2, res_out2, mean if not is_rms_norm else rstd, rstd,
+        x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), res_out2.stride(0),
+        n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
+        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, 16),
+    )
+    return out, residual_out, mean, rstd
+
+
+def _num_programs(device: torch.device, m: int, num_warps: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(m, sms * max(1, 32 // num_warps))
+    return min(m, 4)
+
+
+def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm,
+                                has_residual, x_dtype, residual_dtype, *, launch=None):
+    dx, dresidual, dweight, dbias = _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype)
+    n = h.shape[-1]
+    m = rstd.shape[0]
+    if m == 0:
+        if weight is not None:
+            dweight.zero_()
+        if bias is not None:
+            dbias.zero_()
+        return dx, dresidual, dweight, dbias
+    h2, dy2, dres_out2 = _rows(h, n), _rows(dy, n), _rows(dresidual_out, n)
+    dx2 = dx.view(-1, n)
+    dres2 = dresidual.view(-1, n) if has_residual else dx2
+    block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD)
+    num_warps = _num_warps(block_n, 8)
+    programs = _num_programs(h.device, m, num_warps)
+    rows_per_program = triton.cdiv(m, programs)
+    programs = triton.cdiv(m, rows_per_program)
+    alloc = torch.zeros if num_chunks > 1 else torch.empty
+    dw_partial = alloc((programs, n) if weight is not None else (0,), dtype=torch.float32, device=h.device)
+    db_partial = alloc((programs, n) if bias is not None else (0,), dtype=torch.float32, device=h.device)
+    has_dropout = dropout_p > 0.0
+    kernel = (launch or (lambda k: k))(_add_dropout_norm_bwd_kernel)
+    kernel[(programs,)](
+        h2, dy2, dres_out2 if dres_out2 is not None else dy2, weight if weight is not None else h2,
+        mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
+        dx2, dres2, dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
+        h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
+        dres2.stride(0), m, n, triton.cdiv(n, 4), rows_per_program, _dropout_threshold(dropout_p),
+        1.0 / (1.0 - dropout_p),
+        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
+        HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
+    )
+    if weight is not None:
+        dweight.copy_(dw_partial.sum(0))
+    if bias is not None:
+        dbias.copy_(db_partial.sum(0))
+    return dx, dresidual, dweight, dbias
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The registered ops: CUDA through triton_op (Inductor sees the kernels), CPU through the reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton_op("flash::add_dropout_norm_fwd", mutates_args=())
+def add_dropout_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    is_rms_norm: bool,
+    residual_in_fp32: bool,
+    return_residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual)
+    if x.device.type != "cuda":
+        return _fwd_cpu(*args)
+    return add_dropout_norm_fwd_launch(*args, launch=wrap_triton)
+
+
+@triton_op("flash::add_dropout_norm_bwd", mutates_args=())
+def add_dropout_norm_bwd(
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    is_rms_norm: bool,
+    has_residual: bool,
+    x_dtype: torch.dtype,
+    residual_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm, has_residual,
+            x_dtype, residual_dtype)
+    if h.device.type != "cuda":
+        return _bwd_cpu(*args)
+    return add_dropout_norm_bwd_launch(*args, launch=wrap_triton)
+
+
+add_dropout_norm_fwd.register_kernel("cpu")(_fwd_cpu)
+add_dropout_norm_bwd.register_kernel("cpu")(_bwd_cpu)
+
+
+@add_dropout_norm_fwd.register_fake
+def _(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual):
+    return _allocate_fwd(x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual)
+
+
+@add_dropout_norm_bwd.register_fake
+def _(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm, has_residual, x_dtype,
+      residual_dtype):
+    return _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual = inputs
+    _, residual_out, mean, rstd = output
+    h = residual_out if residual_out.numel() or x.numel() == 0 else x
+    ctx.save_for_backward(h, weight, bias, mean, rstd, seed)
+    ctx.dropout_p = dropout_p
+    ctx.is_rms_norm = is_rms_norm
+    ctx.has_residual = residual is not None
+    ctx.x_dtype = x.dtype
+    ctx.x_shape = x.shape
+    ctx.residual_dtype = residual.dtype if residual is not None else x.dtype
+    ctx.residual_shape = residual.shape if residual is not None else None
+    ctx.h_is_returned = residual_out.numel() > 0
+
+
+def _backward(ctx, dout, dresidual_out, dmean, drstd):
+    h, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    if not ctx.h_is_returned:
+        dresidual_out = None
+    dx, dresidual, dweight, dbias = torch.ops.flash.add_dropout_norm_bwd(
+        dout, dresidual_out, h, weight, bias, mean, rstd, seed, ctx.dropout_p, ctx.is_rms_norm,
+        ctx.has_residual, ctx.x_dtype, ctx.residual_dtype,
+    )
+    return (
+        dx.view(ctx.x_shape),
+        dresidual.view(ctx.residual_shape) if ctx.has_residual else None,
+        dweight if weight is not None else None,
+        dbias if bias is not None else None,
+        None, None, None, None, None, None,
+    )
+
+
+add_dropout_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public function and module
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, residual, weight, bias, dropout_p):
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError("add_dropout_norm: x must be a tensor with at least one dimension (..., N)")
+    n = x.shape[-1]
+    if n < 1 or n > MAX_N:
+        raise ValueError(f"add_dropout_norm: x's hidden size N={n} must be in [1, {MAX_N}]")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"add_dropout_norm: {name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+        if t.device != x.device:
+            raise ValueError(f"add_dropout_norm: {name} is on {t.device} but x is on {x.device}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(
+            f"add_dropout_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"add_dropout_norm: {name} shape {tuple(t.shape)} must be ({n},), x's last dim")
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"add_dropout_norm: dropout_p={dropout_p} must be in [0, 1)")
+
+
+def add_dropout_norm(x, residual=None, weight=None, bias=None, *, eps=1e-5, dropout_p=0.0, is_rms_norm=False,
+                     residual_in_fp32=False, return_residual=False):
+    """out = norm(dropout(x, dropout_p) + residual) * weight (+ bias); also h when return_residual.
+
+    The dropout seed is drawn from the default generator (reproducible under torch.manual_seed); the mask is
+    regenerated from it in backward. When is_rms_norm, bias must be None.
+    """
+    _check_inputs(x, residual, weight, bias, dropout_p)
+    if is_rms_norm and bias is not None:
+        raise ValueError("add_dropout_norm: bias must be None when is_rms_norm=True")
+    dropout_p = float(dropout_p)
+    seed = None
+    if dropout_p > 0.0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
+    out, residual_out, _, _ = torch.ops.flash.add_dropout_norm_fwd(
+        x, residual, weight, bias, seed, float(eps), dropout_p, bool(is_rms_norm), bool(residual_in_fp32),
+        bool(return_residual),
+    )
+    return (out, residual_out) if return_residual else out
+
+
+class AddDropoutNorm(torch.nn.Module):
+    """dropout -> residual add -> LayerNorm (or RMSNorm) with an affine weight (and bias for LayerNorm)."""
+
+    def __init__(self, hidden_size, *, eps=1e-5, dropout_p=0.0, is_rms_norm=False, bias=True,
+                 residual_in_fp32=False, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.dropout_p, self.is_rms_norm = eps, dropout_p, is_rms_norm
+        self.residual_in_fp32 = residual_in_fp32
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = (torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+                     if bias and not is_rms_norm else None)
+
+    def forward(self, x, residual=None, return_residual=False):
+        return add_dropout_norm(
+            x, residual, self.weight, self.bias, eps=self.eps,
+            dropout_p=self.dropout_p if self.training else 0.0, is_rms_norm=self.is_rms_norm,
+            residual_in_fp32=self.residual_in_fp32, return_residual=return_residual,
+        )
