@@ -1,0 +1,1 @@
+"""Triton kernels too large to live in their op module (see flash_backend/ops)."""

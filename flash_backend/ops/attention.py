@@ -1,0 +1,603 @@
+"""Exact attention (FlashAttention-2 algorithm): `flash::attention_forward` / `flash::attention_backward`.
+
+Trade-off: the backward never uses atomics. dK/dV are produced by one kernel that walks the query blocks
+(and, for GQA, every query head of the group) of one key block, dQ by a second kernel that walks the key
+blocks of one query block. That recomputes QK^T and dO V^T once more (7 matmuls instead of FA2's 5) but
+is deterministic, needs no fp32 dQ scratch buffer and no zeroing pass, and GQA costs no extra memory.
+`torch.are_deterministic_algorithms_enabled()` is therefore always honoured.
+
+Conventions shared by the reference and the kernels:
+- key j is visible to query i when `i + off - left <= j <= i + off + right` (a negative bound is
+  unlimited), off = Sk - Sq for bottom-right alignment and 0 for top-left (SDPA's causal); causal is
+  right = 0.
+- attn_mask is a 4-d view whose dims are 1 or full (stride 0 broadcast): bool (True = keep) or additive.
+- a fully masked row yields out = 0 and logsumexp = +inf, so that exp(s - lse) = 0 in the backward.
+- dropout keeps an element when philox(seed, (i * Sk + j, b * H + h, 0, 0)) >= p (Triton's tl.random,
+  10 rounds), reproduced bit-exactly here in int64 arithmetic, so the reference and the kernels drop the
+  same elements.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch.library import triton_op
+
+__all__ = [
+    "attention_reference",
+    "attention_backward_reference",
+    "attention_varlen_reference",
+    "flash_attention",
+    "flash_attention_varlen",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dropout RNG: Triton's philox (tl.random.philox, 32-bit lanes, 10 rounds), in int64 torch arithmetic.
+# --------------------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor):
+    """(a * b) >> 32 and (a * b) & 0xffffffff for a uint32 constant a and a uint32-valued int64 tensor b."""
+    ah, al = a >> 16, a & 0xFFFF
+    t_hi = ah * b  # < 2**48
+    t_lo = al * b  # < 2**48
+    hi = (t_hi + (t_lo >> 16)) >> 16
+    lo = (((t_hi & 0xFFFF) << 16) + t_lo) & _M32
+    return hi, lo
+
+
+def philox_uniform(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
+    """U[0,1) floats equal to Triton's uint_to_uniform_float(philox(seed, c0, c1, 0, 0)[0])."""
+    seed = seed.reshape(()).to(torch.int64)
+    k0 = seed & _M32
+    k1 = (seed >> 32) & _M32
+    c0 = c0.to(torch.int64) & _M32
+    c1 = c1.to(torch.int64) & _M32
+    c0, c1 = torch.broadcast_tensors(c0, c1)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo32(0xCD9E8D57, c2)
+        hi_a, lo_a = _mulhilo32(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + 0x9E3779B9) & _M32
+        k1 = (k1 + 0xBB67AE85) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast to int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * 4.6566127342e-10
+
+
+def dropout_keep_mask(seed, dropout_p, B, H, Sq, Sk, device) -> torch.Tensor:
+    i = torch.arange(Sq, device=device, dtype=torch.int64).view(Sq, 1)
+    j = torch.arange(Sk, device=device, dtype=torch.int64).view(1, Sk)
+    bh = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
+    return philox_uniform(seed, (i * Sk + j).view(1, 1, Sq, Sk), bh) >= dropout_p
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference (the CPU implementation): plain PyTorch, fp32 accumulation.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _visible(Sq, Sk, window_left, window_right, bottom_right, device) -> torch.Tensor | None:
+    if window_left < 0 and window_right < 0:
+        return None
+    off = Sk - Sq if bottom_right else 0
+    i = torch.arange(Sq, device=device).view(Sq, 1) + off
+    j = torch.arange(Sk, device=device).view(1, Sk)
+    keep = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        keep &= j >= i - window_left
+    if window_right >= 0:
+        keep &= j <= i + window_right
+    return keep
+
+
+def _acc_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, upcast):
+    dt = _acc_dtype(q) if upcast else q.dtype
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(dt).repeat_interleave(group, dim=1)
+    s = torch.matmul(q.to(dt), kf.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(s.dtype)
+    vis = _visible(q.shape[2], k.shape[2], window_left, window_right, bottom_right, q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return s
+
+
+def _probs(s, lse):
+    # lse = +inf marks a fully masked row: exp(-inf - inf) = 0, never NaN.
+    return torch.exp(s - lse.unsqueeze(-1))
+
+
+def attention_reference(q, k, v, attn_mask=None, seed=None, dropout_p=0.0, scale=None, window_left=-1,
+                        window_right=-1, bottom_right=False, upcast=True):
+    """out (q.dtype) and logsumexp (fp32, +inf on fully masked rows) on (B, H, S, D) tensors.
+
+    upcast=False computes in the input dtype: the "plain PyTorch low precision" error yardstick.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, upcast)
+    lse = torch.logsumexp(s.to(_acc_dtype(s)), dim=-1)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    p = _probs(s, lse.to(s.dtype))
+    if dropout_p > 0.0:
+        B, H, Sq, Sk = s.shape
+        keep = dropout_keep_mask(seed, dropout_p, B, H, Sq, Sk, q.device)
+        p = p * keep / (1.0 - dropout_p)
+    group = q.shape[1] // v.shape[1]
+    vf = v.to(p.dtype).repeat_interleave(group, dim=1)
+    out = torch.matmul(p, vf)
+    return out.to(q.dtype), lse.to(_acc_dtype(q))
+
+
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    dims = [d for d in range(t.dim()) if shape[d] == 1 and t.shape[d] != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def attention_backward_reference(dout, q, k, v, out, lse, attn_mask=None, seed=None, dropout_p=0.0,
+                                 scale=None, window_left=-1, window_right=-1, bottom_right=False,
+                                 compute_dbias=False):
+    """dq, dk, dv (input dtypes) and dbias (attn_mask's shape and dtype, or None), fp32 math."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    acc = _acc_dtype(q)
+    s = _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, True)
+    p = _probs(s, lse.to(acc))
+    do = dout.to(acc)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(seed, dropout_p, B, Hq, Sq, Sk, q.device).to(acc) / (1.0 - dropout_p)
+        pd = p * keep
+        dp = dp * keep
+    else:
+        pd = p
+    delta = (do * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k.to(acc).repeat_interleave(group, dim=1)) * scale
+    dk = (torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale).view(B, Hkv, group, Sk, -1).sum(2)
+    dv = torch.matmul(pd.transpose(-1, -2), do).view(B, Hkv, group, Sk, -1).sum(2)
+    dbias = None
+    if compute_dbias:
+        dbias = _sum_to(ds, attn_mask.shape).to(attn_mask.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+def _segments(cu_seqlens, total, device):
+    idx = torch.arange(total, device=device)
+    seg = torch.searchsorted(cu_seqlens.to(torch.int64), idx, right=True) - 1
+    pos = idx - cu_seqlens.to(torch.int64)[seg]
+    return seg, pos
+
+
+def _varlen_scores(q, k, cu_q, cu_k, scale, window_left, window_right, bottom_right):
+    # Packed (T, H, D) -> one (H, Tq, Tk) problem with a block-diagonal mask: vectorized, traceable.
+    Tq, Tk = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    seg_q, pos_q = _segments(cu_q, Tq, q.device)
+    seg_k, pos_k = _segments(cu_k, Tk, q.device)
+    qf = q.float().transpose(0, 1)
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    keep = seg_q.view(-1, 1) == seg_k.view(1, -1)
+    len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)[seg_q]
+    len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[seg_k]
+    i = pos_q.view(-1, 1)
+    if bottom_right:
+        i = i + (len_k.view(1, -1) - len_q.view(-1, 1))
+    j = pos_k.view(1, -1)
+    if window_left >= 0:
+        keep &= j >= i - window_left
+    if window_right >= 0:
+        keep &= j <= i + window_right
+    return s.masked_fill(~keep, float("-inf")), seg_q, pos_q, seg_k, pos_k
+
+
+def _varlen_keep(seed, dropout_p, cu_k, seg_q, pos_q, seg_k, pos_k, H, device):
+    len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[seg_q]
+    c0 = pos_q.view(-1, 1) * len_k.view(-1, 1) + pos_k.view(1, -1)
+    bh = (seg_q.view(1, -1, 1) * H + torch.arange(H, device=device).view(-1, 1, 1))
+    return philox_uniform(seed, c0.unsqueeze(0), bh) >= dropout_p
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seed=None, dropout_p=0.0, scale=None,
+                               window_left=-1, window_right=-1, bottom_right=False):
+    """out (Tq, H, D) and logsumexp (H, Tq) on packed sequences; fp32 math."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s, seg_q, pos_q, seg_k, pos_k = _varlen_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                                                   window_right, bottom_right)
+    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    p = _probs(s, lse)
+    if dropout_p > 0.0:
+        keep = _varlen_keep(seed, dropout_p, cu_seqlens_k, seg_q, pos_q, seg_k, pos_k, q.shape[1], q.device)
+        p = p * keep / (1.0 - dropout_p)
+    group = q.shape[1] // v.shape[1]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    out = torch.matmul(p, vf).transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def attention_varlen_backward_reference(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed=None,
+                                        dropout_p=0.0, scale=None, window_left=-1, window_right=-1,
+                                        bottom_right=False):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    H, Hkv = q.shape[1], k.shape[1]
+    group = H // Hkv
+    s, seg_q, pos_q, seg_k, pos_k = _varlen_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                                                   window_right, bottom_right)
+    p = _probs(s, lse)
+    do = dout.float().transpose(0, 1)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    pd = p
+    if dropout_p > 0.0:
+        keep = _varlen_keep(seed, dropout_p, cu_seqlens_k, seg_q, pos_q, seg_k, pos_k, H, q.device)
+        keep = keep / (1.0 - dropout_p)
+        pd, dp = p * keep, dp * keep
+    delta = (do * out.float().transpose(0, 1)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    dq = (torch.matmul(ds, kf) * scale).transpose(0, 1)
+    Tk = k.shape[0]
+    dk = (torch.matmul(ds.transpose(-1, -2), q.float().transpose(0, 1)) * scale)
+    dk = dk.view(Hkv, group, Tk, -1).sum(1).transpose(0, 1)
+    dv = torch.matmul(pd.transpose(-1, -2), do).view(Hkv, group, Tk, -1).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Allocation (shared by the real implementations and the fakes, so that both agree on strides).
+# --------------------------------------------------------------------------------------------------------
+
+
+def _empty_like_layout(x: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """Empty tensor of `shape` whose memory order follows x's strides (SDPA keeps a (B,S,H,D) layout)."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    if order[-1] != x.dim() - 1:
+        order = list(range(x.dim()))
+    buf = x.new_empty([shape[d] for d in order], dtype=dtype or x.dtype)
+    inverse = [order.index(d) for d in range(x.dim())]
+    return buf.permute(inverse)
+
+
+def _alloc_forward(q, v):
+    B, H, Sq, _ = q.shape
+    out = _empty_like_layout(q, (B, H, Sq, v.shape[-1]))
+    lse = q.new_empty((B, H, Sq), dtype=torch.float32)
+    return out, lse
+
+
+def _alloc_dbias(q, attn_mask, compute_dbias):
+    if compute_dbias:
+        return attn_mask.new_empty(attn_mask.shape)
+    return q.new_empty((0,))
+
+
+def _kernels_enabled(t: torch.Tensor) -> bool:
+    if t.device.type == "cuda":
+        return os.environ.get("FLASH_ATTENTION_REFERENCE", "0") != "1"
+    return False
+
+
+def _kernel_supports(q, k, v, attn_mask) -> bool:
+    return (q.dtype in _KERNEL_DTYPES and q.shape[-1] == v.shape[-1]
+            and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float16, torch.bfloat16,
+                                                          torch.float32)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The registered ops.
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton_op("flash::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
+                      window_right: int, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _alloc_forward(q, v)
+    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
+        from flash_backend.kernels.attention_fwd import attention_forward_launch
+
+        attention_forward_launch(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
+                                 bottom_right, out, lse)
+        return out, lse
+    ref_out, ref_lse = attention_reference(q, k, v, attn_mask, seed, dropout_p, scale, window_left,
+                                           window_right, bottom_right)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
+    return _alloc_forward(q, v)
+
+
+@triton_op("flash::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, attn_mask: torch.Tensor | None,
+                       seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
+                       window_right: int, bottom_right: bool, compute_dbias: bool,
+                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv like the inputs; dbias in attn_mask's shape when compute_dbias, else an empty tensor.
+
+    `deterministic` is accepted for the schema's sake: every path here is deterministic (no atomics).
+    """
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = _alloc_dbias(q, attn_mask, compute_dbias)
+    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
+        from flash_backend.kernels.attention_bwd import attention_backward_launch
+
+        attention_backward_launch(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
+                                  window_right, bottom_right, dq, dk, dv, dbias if compute_dbias else None)
+        return dq, dk, dv, dbias
+    rdq, rdk, rdv, rdb = attention_backward_reference(dout, q, k, v, out, lse, attn_mask, seed, dropout_p,
+                                                      scale, window_left, window_right, bottom_right,
+                                                      compute_dbias)
+    dq.copy_(rdq)
+    dk.copy_(rdk)
+    dv.copy_(rdv)
+    if compute_dbias:
+        dbias.copy_(rdb)
+    return dq, dk, dv, dbias
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right,
+      compute_dbias, deterministic):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            _alloc_dbias(q, attn_mask, compute_dbias))
+
+
+def _forward_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
+    ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
+    ctx.mark_non_differentiable(lse)
+
+
+def _forward_backward(ctx, dout, _dlse):
+    q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
+    compute_dbias = bool(attn_mask is not None and ctx.needs_input_grad[3])
+    dq, dk, dv, dbias = torch.ops.flash.attention_backward(
+        dout, q, k, v, out, lse, attn_mask, seed, *ctx.params, compute_dbias,
+        torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv, (dbias if compute_dbias else None), None, None, None, None, None, None
+
+
+attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+@triton_op("flash::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                             seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
+                             window_right: int, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (T, H, D) sequences; out (Tq, H, D) and logsumexp (H, Tq) fp32."""
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    if _kernels_enabled(q) and _kernel_supports(q, k, v, None):
+        from flash_backend.kernels.attention_fwd import attention_varlen_forward_launch
+
+        attention_varlen_forward_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        seed, dropout_p, scale, window_left, window_right, bottom_right,
+                                        out, lse)
+        return out, lse
+    ref_out, ref_lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, dropout_p,
+                                                  scale, window_left, window_right, bottom_right)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+@attention_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, dropout_p, scale, window_left,
+      window_right, bottom_right):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@triton_op("flash::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
+                              window_right: int, bottom_right: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if _kernels_enabled(q) and _kernel_supports(q, k, v, None):
+        from flash_backend.kernels.attention_bwd import attention_varlen_backward_launch
+
+        attention_varlen_backward_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, seed, dropout_p, scale, window_left, window_right,
+                                         bottom_right, dq, dk, dv)
+        return dq, dk, dv
+    rdq, rdk, rdv = attention_varlen_backward_reference(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                        seed, dropout_p, scale, window_left, window_right,
+                                                        bottom_right)
+    dq.copy_(rdq)
+    dk.copy_(rdk)
+    dv.copy_(rdv)
+    return dq, dk, dv
+
+
+@attention_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, dropout_p, scale,
+      window_left, window_right, bottom_right):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, seed, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, seed, out, lse)
+    ctx.max_seqlens = (max_q, max_k)
+    ctx.params = tuple(params)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, cu_q, cu_k, seed, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                           *ctx.max_seqlens, seed, *ctx.params)
+    return (dq, dk, dv) + (None,) * 10
+
+
+attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation and the public functions.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v, dims):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"flash_attention: {name} must be {dims}-d, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"flash_attention: {name}.dtype must be float16, bfloat16, float32 or float64, "
+                            f"got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    for name, t in (("q", q), ("v", v)):
+        d = t.shape[-1]
+        if d > MAX_HEAD_DIM or d % 8 != 0 or d == 0:
+            raise ValueError(f"flash_attention: head_dim of {name} must be a multiple of 8 and at most "
+                             f"{MAX_HEAD_DIM}, got {d}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"flash_attention: head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ")
+
+
+def _check_heads(hq, hk, hv):
+    if hk != hv:
+        raise ValueError(f"flash_attention: k and v must have the same number of heads, got {hk} and {hv}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"flash_attention: the number of heads of q ({hq}) must be divisible by the number "
+                         f"of heads of k/v ({hk})")
+
+
+def _check_common(dropout_p, causal_alignment, window_size):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"flash_attention: causal_alignment must be 'top_left' or 'bottom_right', got "
+                         f"{causal_alignment!r}")
+    if len(window_size) != 2 or any(int(w) != w or w < -1 for w in window_size):
+        raise ValueError(f"flash_attention: window_size must be (left, right) ints >= -1, got {window_size}")
+
+
+def _window(is_causal, window_size):
+    left, right = int(window_size[0]), int(window_size[1])
+    if is_causal:
+        right = 0
+    return left, right
+
+
+def _seed(dropout_p, device):
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def _prepare_mask(attn_mask, q, k):
+    if attn_mask is None:
+        return None
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"flash_attention: attn_mask must be a tensor or None, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"flash_attention: attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
+    full = (B, H, Sq, Sk)
+    padded = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+    if attn_mask.dim() > 4 or any(s not in (1, f) for s, f in zip(padded, full, strict=True)):
+        raise ValueError(f"flash_attention: attn_mask of shape {tuple(attn_mask.shape)} is not broadcastable "
+                         f"to (B, H, Sq, Sk) = {full}")
+    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+                    causal_alignment="top_left", window_size=(-1, -1)):
+    """F.scaled_dot_product_attention on (B, H, S, D) tensors, computed by the flash kernels.
+
+    k/v may have fewer heads than q (any divisor, enable_gqa or not: no copy is made). is_causal is
+    top-left aligned like SDPA unless causal_alignment="bottom_right" (FlashAttention's convention);
+    causal_alignment also anchors window_size=(left, right). Fully masked rows give zeros.
+    """
+    _check_qkv(q, k, v, 4)
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"flash_attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, "
+                         f"v {v.shape[0]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"flash_attention: k and v sequence lengths differ: {k.shape[2]} and {v.shape[2]}")
+    _check_heads(q.shape[1], k.shape[1], v.shape[1])
+    _check_common(dropout_p, causal_alignment, window_size)
+    if is_causal and attn_mask is not None:
+        raise ValueError("flash_attention: pass either attn_mask or is_causal=True, not both (as SDPA)")
+    mask = _prepare_mask(attn_mask, q, k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    left, right = _window(is_causal, window_size)
+    seed = _seed(dropout_p, q.device)
+    out, _ = torch.ops.flash.attention_forward(q, k, v, mask, seed, float(dropout_p), scale, left, right,
+                                               causal_alignment == "bottom_right")
+    return out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           is_causal=False, scale=None, *, causal_alignment="bottom_right",
+                           window_size=(-1, -1)):
+    """Attention over packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens int32 (B+1).
+
+    max_seqlen_* are Python (or symbolic) ints: nothing here reads device memory. causal_alignment
+    defaults to bottom-right, FlashAttention's varlen convention.
+    """
+    _check_qkv(q, k, v, 3)
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"flash_attention_varlen: k and v token counts differ: {k.shape[0]} and "
+                         f"{v.shape[0]}")
+    _check_heads(q.shape[1], k.shape[1], v.shape[1])
+    _check_common(dropout_p, causal_alignment, window_size)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+            raise ValueError(f"flash_attention_varlen: {name} must be a 1-d int32 tensor on {q.device}, got "
+                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError("flash_attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    left, right = _window(is_causal, window_size)
+    seed = _seed(dropout_p, q.device)
+    out, _ = torch.ops.flash.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed, float(dropout_p), scale, left,
+        right, causal_alignment == "bottom_right")
+    return out

@@ -1,0 +1,220 @@
+"""flash::attention_* ops: reference vs fp64 math, op contract, errors, Triton kernels (interpreter, GPU)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import flash_backend  # noqa: F401
+from flash_backend.ops.attention import (
+    attention_backward_reference,
+    attention_reference,
+    dropout_keep_mask,
+    flash_attention,
+    flash_attention_varlen,
+)
+
+
+def _qkv(B, Hq, Hkv, Sq, Sk, D, dtype=torch.float32, device="cpu", requires_grad=False):
+    q = torch.randn(B, Hq, Sq, D, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, Sk, D, dtype=dtype, device=device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _math_fp64(q, k, v, mask=None, is_causal=False, scale=None, bottom_right=False, window=(-1, -1)):
+    """Textbook attention in fp64 with explicit masks; fully masked rows -> 0 (our convention)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    Sq, Sk = s.shape[-2:]
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    i = torch.arange(Sq).view(-1, 1) + (Sk - Sq if bottom_right else 0)
+    j = torch.arange(Sk).view(1, -1)
+    left, right = window
+    if is_causal:
+        right = 0
+    if left >= 0:
+        s = s.masked_fill(j < i - left, -math.inf)
+    if right >= 0:
+        s = s.masked_fill(j > i + right, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("is_causal,bottom_right,window", [
+    (False, False, (-1, -1)), (True, False, (-1, -1)), (True, True, (-1, -1)), (False, True, (16, 8)),
+    (True, False, (20, -1)),
+])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2)])
+def test_reference_matches_fp64(is_causal, bottom_right, window, Hq, Hkv):
+    q, k, v = _qkv(2, Hq, Hkv, 97, 113, 40, dtype=torch.float64)
+    out = flash_attention(q, k, v, is_causal=is_causal, window_size=window,
+                          causal_alignment="bottom_right" if bottom_right else "top_left")
+    ref = _math_fp64(q, k, v, is_causal=is_causal, bottom_right=bottom_right, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_matches_sdpa_and_its_gradients():
+    q, k, v = _qkv(2, 4, 2, 97, 113, 64, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 4, 97, 113, dtype=torch.float64, requires_grad=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = flash_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k, v, mask), g), torch.autograd.grad(ref, (q, k, v, mask), g)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bool_mask_broadcast_and_fully_masked_rows():
+    q, k, v = _qkv(2, 3, 3, 33, 45, 32, requires_grad=True)
+    mask = torch.rand(2, 1, 33, 45) > 0.5
+    mask[:, :, 5] = False  # fully masked rows
+    out = flash_attention(q, k, v, attn_mask=mask)
+    ref = _math_fp64(q, k, v, mask=mask)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert (out[:, :, 5] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+def test_gradcheck_fp64_bias_gqa_window():
+    q, k, v = _qkv(1, 2, 1, 9, 11, 8, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 1, 9, 11, dtype=torch.float64, requires_grad=True)
+    # lse is kept in fp32 by the op, so gradcheck runs on the fp64 reference through autograd instead.
+    f = lambda q, k, v, b: attention_reference(q, k, v, b, window_left=3, window_right=1)[0]
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+    out, lse = attention_reference(q, k, v, bias, window_left=3, window_right=1)
+    g = torch.randn_like(out)
+    ours = attention_backward_reference(g, q, k, v, out, lse, bias, window_left=3, window_right=1,
+                                        compute_dbias=True)
+    auto = torch.autograd.grad(out, (q, k, v, bias), g)
+    for a, b in zip(ours, auto, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_dropout_statistics_and_reproducibility():
+    q, k, v = _qkv(2, 4, 4, 64, 64, 16)
+    torch.manual_seed(5)
+    a = flash_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(5)
+    b = flash_attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b)
+    keep = dropout_keep_mask(torch.randint(0, 2**62, (1,)), 0.3, 4, 8, 128, 128, "cpu")
+    assert abs(keep.float().mean().item() - 0.7) < 0.005
+    # unbiased: the mean over many seeds approaches the no-dropout output
+    outs = torch.stack([flash_attention(q, k, v, dropout_p=0.3) for _ in range(200)]).mean(0)
+    ref = flash_attention(q, k, v)
+    assert (outs - ref).abs().mean() < 0.03
+
+
+def test_dropout_gradients_match_autograd_of_reference():
+    q, k, v = _qkv(1, 2, 2, 17, 23, 8, dtype=torch.float64, requires_grad=True)
+    seed = torch.tensor([123456789012])
+    out, lse = attention_reference(q, k, v, None, seed, 0.25)
+    g = torch.randn_like(out)
+    ours = attention_backward_reference(g, q, k, v, out, lse, None, seed, 0.25)[:3]
+    for a, b in zip(ours, torch.autograd.grad(out, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_transposed_layout_kept_without_copies():
+    q = torch.randn(2, 33, 4, 64).transpose(1, 2)
+    k = torch.randn(2, 40, 4, 64).transpose(1, 2)
+    v = torch.randn(2, 40, 4, 64).transpose(1, 2)
+    out = flash_attention(q, k, v)
+    assert out.stride() == q.stride()
+    torch.testing.assert_close(out.double(), _math_fp64(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_varlen_matches_per_sequence(bottom_right):
+    lens_q, lens_k = [30, 1, 66], [50, 7, 56]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 32, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 32, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 32, requires_grad=True)
+    align = "bottom_right" if bottom_right else "top_left"
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True,
+                                 causal_alignment=align)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qs, ks, vs = (t[s].detach().transpose(0, 1)[None].requires_grad_()
+                      for t, s in ((q, sq), (k, sk), (v, sk)))
+        ref = flash_attention(qs, ks, vs, is_causal=True, causal_alignment=align)
+        torch.testing.assert_close(out[sq], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        rg = torch.autograd.grad(ref, (qs, ks, vs), g[sq].transpose(0, 1)[None])
+        for got, want, s in zip(grads, rg, (sq, sk, sk), strict=True):
+            torch.testing.assert_close(got[s], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_cpu(dtype):
+    q, k, v = _qkv(2, 4, 2, 37, 29, 16, dtype=dtype)
+    mask = torch.randn(1, 4, 37, 29, dtype=dtype)
+    seed = torch.tensor([77])
+    qt = torch.randn(2, 37, 4, 16, dtype=dtype).transpose(1, 2)
+    cases = [(q, k, v, mask, seed, 0.2, 0.125, -1, 0, True), (qt, k, v, None, None, 0.0, 0.3, 4, 2, False)]
+    for args in cases:
+        opcheck(torch.ops.flash.attention_forward, args)
+        opcheck(torch.ops.flash.attention_forward, tuple(a.requires_grad_() if isinstance(a, torch.Tensor)
+                                                         and a.is_floating_point() else a for a in args))
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        out, lse = torch.ops.flash.attention_forward(*args)
+        mask_arg = args[3]
+        opcheck(torch.ops.flash.attention_backward,
+                (torch.randn_like(out), *args[:3], out, lse, *args[3:], mask_arg is not None, False))
+    cu = torch.tensor([0, 10, 37], dtype=torch.int32)
+    qv = torch.randn(2, 37, 4, 16, dtype=dtype)[1]
+    kv, vv = torch.randn(2, 37, 2, 16, dtype=dtype).unbind(0)
+    varlen_args = (cu, cu, 27, 27, seed, 0.1, 0.25, -1, 0, True)
+    opcheck(torch.ops.flash.attention_varlen_forward, (qv, kv, vv, *varlen_args))
+    out, lse = torch.ops.flash.attention_varlen_forward(qv, kv, vv, *varlen_args)
+    opcheck(torch.ops.flash.attention_varlen_backward,
+            (torch.randn_like(out), qv, kv, vv, out, lse, *varlen_args))
+
+
+def test_compile_fullgraph_matches_eager():
+    q, k, v = _qkv(2, 4, 2, 33, 47, 32, requires_grad=True)
+    mask = torch.randn(2, 1, 33, 47, requires_grad=True)
+    f = lambda q, k, v, m: flash_attention(q, k, v, attn_mask=m)
+    out = torch.compile(f, fullgraph=True, dynamic=False)(q, k, v, mask)
+    ref = f(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, mask), g), torch.autograd.grad(ref, (q, k, v, mask), g)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, v: flash_attention(q.half(), k, v), "share a dtype"),
+    (lambda q, k, v: flash_attention(q.int(), k.int(), v.int()), "q.dtype"),
+    (lambda q, k, v: flash_attention(q[..., :12], k[..., :12], v[..., :12]), "multiple of 8"),
+    (lambda q, k, v: flash_attention(*(torch.randn(1, 2, 4, 264),) * 3), "at most 256"),
+    (lambda q, k, v: flash_attention(q[:, :3], k[:, :2], v[:, :2]), "divisible"),
+    (lambda q, k, v: flash_attention(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool)), "broadcastable"),
+    (lambda q, k, v: flash_attention(q, k, v, dropout_p=1.0), "dropout_p"),
+    (lambda q, k, v: flash_attention(q, k, v, causal_alignment="center"), "causal_alignment"),
+    (lambda q, k, v: flash_attention(q, k, v, window_size=(-2, 0)), "window_size"),
+    (lambda q, k, v: flash_attention(q, k, v[:, :, :5]), "sequence lengths"),
+    (lambda q, k, v: flash_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.int64)), "attn_mask"),
+    (lambda q, k, v: flash_attention(q, k.to("meta"), v), "one device"),
+])
+def test_errors_name_the_argument(call, match):
+    q, k, v = _qkv(1, 4, 4, 8, 8, 16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(q, k, v)
