@@ -1,0 +1,590 @@
+"""Norm family: [dropout +] [residual add +] LayerNorm / RMSNorm [* weight + bias] -> flash add_dropout_norm.
+
+Why: in every transformer block the residual stream goes through dropout, an add and a norm, each a
+full read and write of the activations in eager mode and a separate kernel in the backward. The fused
+op reads x and the residual once, writes the normalised output (and, for pre-norm blocks, the new
+residual stream) once, and recomputes the dropout mask from its seed in the backward.
+
+What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
+backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm``, ``F.rms_norm`` /
+``nn.RMSNorm``, LayerNorm written out (mean; ``var(unbiased=False)`` or mean of the squared centred
+value; ``/ sqrt`` or ``* rsqrt``) and RMSNorm written out (Llama: mean of ``x**2`` / ``x*x`` /
+``square``, ``* rsqrt`` or ``/ sqrt``) — widened to include
+
+- upcasts of its input (``x.float()``) and casts of its output (``.to(input_dtype)``, ``.type_as``),
+- a trailing ``* weight`` and (LayerNorm) ``+ bias`` of shape (N,), on either side,
+- the tensor it normalises when that is ``dropout(x) + residual`` (either order), ``x + residual``
+  or ``dropout(x)``; when that tensor has other users (pre-norm blocks), they read the op's
+  residual output instead (``return_residual=True``).
+
+The trade-off is the one the pass contract asks for: a candidate is rewritten whole or not at all.
+Every structural fact (last dim only, keepdim, biased variance, constant eps and dropout p, no
+intermediate with outside users, weight shape) is checked on the graph, and the result dtype and
+shape are checked by running the fused op on the fake inputs: a rewrite whose output dtype differs
+from eager's (bf16 x + fp32 residual, Llama without the final downcast) is a near miss, never a
+silent promotion. Each candidate left alone is reported with its reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fx_passes._match import (
+    arg,
+    erase_unused,
+    fake_call,
+    insert_call,
+    insert_getitem,
+    is_number,
+    is_op,
+    norm_dim,
+    op_name,
+    tensor_meta,
+    val,
+)
+from fx_passes._report import record_near_miss, record_rewrite
+
+FAMILY = "norm"
+
+_OP_MODULE = "flash_backend.ops.add_dropout_norm"
+_OP_NAME = "flash.add_dropout_norm"
+_CASTS = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
+
+
+class _Miss(Exception):
+    """A candidate that is not provably the same function; the message is the reason."""
+
+
+@dataclass
+class _Core:
+    """A normalisation over the last dim, before widening to dropout/residual and weight/bias."""
+
+    variant: str
+    is_rms: bool
+    x: torch.fx.Node  # the tensor being normalised (outermost input, before folded upcasts)
+    upcasts: list[torch.fx.Node]  # casts between x and the statistics, innermost first
+    eps: float
+    weight: torch.fx.Node | None
+    bias: torch.fx.Node | None
+    out: torch.fx.Node  # the node holding the normalised (and affine) result
+    anchor: torch.fx.Node
+    inner: set[torch.fx.Node] = field(default_factory=set)  # nodes only the norm uses, out excluded
+    tail: list[tuple[str, torch.fx.Node]] = field(default_factory=list)  # (kind, node) after out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Small predicates
+# --------------------------------------------------------------------------------------------------------
+
+
+def _same_size(a, b) -> bool:
+    return a is b or statically_known_true(a == b)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(_same_size(p, q) for p, q in zip(a.shape, b.shape, strict=True))
+
+
+def _is_cast(node: object) -> bool:
+    """A dtype conversion that keeps shape and device (x.float(), x.to(torch.bfloat16), x.type_as(y))."""
+    if not isinstance(node, torch.fx.Node) or op_name(node) not in _CASTS or not node.args:
+        return False
+    src, dst = tensor_meta(node.args[0]), tensor_meta(node)
+    return (
+        src is not None and dst is not None and src.dtype.is_floating_point and dst.dtype.is_floating_point
+        and src.device == dst.device and _same_shape(src, dst)
+    )
+
+
+def _same_value(a: object, b: object) -> bool:
+    """a and b compute the same tensor: one node, or two spellings of one pure op (``(x - u)`` twice)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return False
+    if op_name(a) not in _CASTS | {"sub"} or a.op != b.op or a.target != b.target:
+        return False
+    if len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    return all(_same_value(p, q) if isinstance(p, torch.fx.Node) else p == q
+               for p, q in zip(a.args, b.args, strict=True))
+
+
+def _binary(node: torch.fx.Node, name: str):
+    """(lhs, rhs) of a plain binary op named name (no alpha / out), else None."""
+    if not is_op(node, name) or len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args
+
+
+def _other(node: torch.fx.Node, name: str, this: torch.fx.Node):
+    """For a commutative binary op on `this`, the other operand, else None."""
+    pair = _binary(node, name)
+    if pair is None or this not in pair:
+        return None
+    return pair[1] if pair[0] is this else pair[0]
+
+
+def _square_of(node: object):
+    """Y when node is Y**2, Y*Y or Y.square(), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if is_op(node, "pow") and len(node.args) == 2 and not node.kwargs and node.args[1] == 2:
+        return node.args[0]
+    pair = _binary(node, "mul")
+    if pair is not None and _same_value(pair[0], pair[1]):
+        return pair[0]
+    if is_op(node, "square") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    return None
+
+
+def _mean_spec(node: torch.fx.Node) -> tuple[object, bool, bool]:
+    """(dim, keepdim, has_dtype) of a mean/var-like reduction."""
+    return arg(node, 1, "dim"), bool(arg(node, 2, "keepdim", False)), "dtype" in node.kwargs
+
+
+def _dims_text(dim) -> str:
+    return str(tuple(dim)) if isinstance(dim, (list, tuple)) else str(dim)
+
+
+def _check_last_dim(node: torch.fx.Node, dim, keepdim: bool, what: str) -> None:
+    t = tensor_meta(node.args[0])
+    if t is None:
+        raise _Miss(f"{what} has no shape/dtype metadata")
+    ndim = t.dim()
+    if norm_dim(dim, ndim) != ndim - 1:
+        raise _Miss(f"{what} reduces over dim {_dims_text(dim)} of a {ndim}-d tensor, not only the last dim")
+    if not keepdim:
+        raise _Miss(f"{what} has no keepdim=True")
+
+
+def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _opmath_eps(dtype: torch.dtype) -> float:
+    """F.rms_norm's eps=None: the machine epsilon of the type it computes in (fp32 for fp16/bf16)."""
+    return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
+
+
+# --------------------------------------------------------------------------------------------------------
+# Norm cores
+# --------------------------------------------------------------------------------------------------------
+
+
+def _walk_upcasts(x: torch.fx.Node, pattern: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Casts above x that only the pattern reads and that do not lose precision, innermost first."""
+    casts = []
+    while _is_cast(x) and all(u in pattern for u in x.users):
+        src, dst = tensor_meta(x.args[0]), tensor_meta(x)
+        if dst.dtype.itemsize < src.dtype.itemsize:
+            break
+        casts.append(x)
+        pattern = pattern | {x}
+        x = x.args[0]
+    return casts
+
+
+def _match_norm_call(node: torch.fx.Node) -> _Core:
+    is_rms = is_op(node, "rms_norm")
+    variant = "F.rms_norm" if is_rms else "F.layer_norm"
+    inp = arg(node, 0, "input")
+    t = tensor_meta(inp)
+    if t is None:
+        raise _Miss("the input has no shape/dtype metadata")
+    shape = val(arg(node, 1, "normalized_shape"))
+    shape = [val(s) for s in shape] if isinstance(shape, (list, tuple, torch.Size)) else [shape]
+    if len(shape) != 1:
+        raise _Miss(f"normalises over the last {len(shape)} dims; the fused op normalises the last dim only")
+    weight = arg(node, 2, "weight")
+    bias = None if is_rms else arg(node, 3, "bias")
+    eps = arg(node, 3 if is_rms else 4, "eps", None if is_rms else 1e-5)
+    if eps is None and is_rms:
+        eps = _opmath_eps(t.dtype)
+    if not is_number(eps):
+        raise _Miss(f"eps is not a constant number ({eps!r})")
+    upcasts = _walk_upcasts(inp, {node})
+    x = upcasts[-1].args[0] if upcasts else inp
+    return _Core(variant, is_rms, x, upcasts, float(eps), weight, bias, node, node)
+
+
+def _denominator(stat: torch.fx.Node):
+    """From a variance / mean square: (eps, eps add node or None, root, is_sqrt) for
+    ``rsqrt(stat + eps)`` / ``sqrt(stat + eps)`` (eps may be absent), else None."""
+    base, add, eps = stat, None, 0.0
+    for user in stat.users:
+        other = _other(user, "add", stat)
+        if other is not None:
+            if isinstance(other, torch.fx.Node):
+                t = tensor_meta(other)
+                if t is not None and t.dim() == 0:
+                    raise _Miss(f"eps is a tensor ({other.name}), not a constant number")
+                continue
+            if is_number(other):
+                base, add, eps = user, user, float(other)
+                break
+    for user in base.users:
+        if user.args and user.args[0] is base and not user.kwargs:
+            if is_op(user, "rsqrt") and len(user.args) == 1:
+                return eps, add, user, False
+            if is_op(user, "sqrt") and len(user.args) == 1:
+                return eps, add, user, True
+            if is_op(user, "pow") and len(user.args) == 2 and user.args[1] in (0.5, -0.5):
+                return eps, add, user, user.args[1] == 0.5
+    return None
+
+
+def _numerator(root: torch.fx.Node, is_sqrt: bool, accept) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The node computing value * rsqrt(..) or value / sqrt(..), with value accepted; (node, value)."""
+    for user in root.users:
+        if is_sqrt:
+            pair = _binary(user, "div")
+            if pair is not None and pair[1] is root and accept(pair[0]):
+                return user, pair[0]
+        else:
+            other = _other(user, "mul", root)
+            if other is not None and accept(other):
+                return user, other
+    form = "value / sqrt(...)" if is_sqrt else "value * rsqrt(...)"
+    raise _Miss(f"{root.name} does not scale the normalised value as {form}")
+
+
+def _centered(node: object, mean: torch.fx.Node) -> bool:
+    """node is X - mean(X)."""
+    pair = _binary(node, "sub") if isinstance(node, torch.fx.Node) else None
+    return pair is not None and pair[1] is mean and _same_value(pair[0], mean.args[0])
+
+
+def _is_mean_node(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and is_op(node, "mean") and bool(node.args)
+
+
+def _match_rms(mean: torch.fx.Node) -> _Core | None:
+    y = _square_of(mean.args[0])
+    if y is None:
+        return None
+    if isinstance(y, torch.fx.Node) and _binary(y, "sub") and _is_mean_node(y.args[1]) \
+            and _centered(y, y.args[1]):
+        return None  # the variance of a hand-written LayerNorm: matched from its mean
+    chain = _denominator(mean)
+    if chain is None:
+        return None
+    variant = "hand-written RMSNorm"
+    dim, keepdim, has_dtype = _mean_spec(mean)
+    _check_last_dim(mean, dim, keepdim, "the mean of squares")
+    if has_dtype:
+        raise _Miss("the mean of squares has a dtype= argument")
+    eps, add, root, is_sqrt = chain
+    out, _ = _numerator(root, is_sqrt, lambda v: _same_value(v, y))
+    inner = {mean.args[0], mean, root} | ({add} if add is not None else set())
+    inner |= {a for a in out.args if isinstance(a, torch.fx.Node) and a is not root and a is not y}
+    upcasts = _walk_upcasts(y, inner | {out})
+    x = upcasts[-1].args[0] if upcasts else y
+    return _Core(variant, True, x, upcasts, eps, None, None, out, mean, inner)
+
+
+def _match_layer(mean: torch.fx.Node) -> _Core | None:
+    x = mean.args[0]
+    subs = [u for u in mean.users if _centered(u, mean)]
+    if not subs:
+        return None
+    # The variance: x.var(dim, unbiased=False / correction=0) or mean((x - mean)**2).
+    stats = []
+    for node in list(x.users) + [v for s in subs for v in s.users]:
+        if is_op(node, "var") and node.args and node.args[0] is x:
+            stats.append(node)
+        elif _is_mean_node(node) and any(_same_value(_square_of(node.args[0]), s) for s in subs):
+            stats.append(node)
+        elif _square_of(node) is not None and _same_value(_square_of(node), subs[0]):
+            stats.extend(u for u in node.users if _is_mean_node(u))
+    stats = list(dict.fromkeys(stats))
+    chains = [(s, _denominator(s)) for s in stats]
+    chains = [(s, c) for s, c in chains if c is not None]
+    if not chains:
+        return None
+    stat, (eps, add, root, is_sqrt) = chains[0]
+    variant = "hand-written LayerNorm"
+    dim, keepdim, has_dtype = _mean_spec(mean)
+    _check_last_dim(mean, dim, keepdim, "the mean")
+    if is_op(stat, "var"):
+        unbiased, correction = arg(stat, 2, "unbiased", None), stat.kwargs.get("correction")
+        if isinstance(unbiased, bool) and correction is None:
+            biased = not unbiased
+        else:
+            biased = correction == 0 and unbiased is None
+        if not biased:
+            raise _Miss("the variance is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
+        vdim, vkeep = arg(stat, 1, "dim"), bool(arg(stat, 3, "keepdim", stat.kwargs.get("keepdim", False)))
+        _check_last_dim(stat, vdim, vkeep, "the variance")
+        inner = {stat}
+    else:
+        sdim, skeep, sdtype = _mean_spec(stat)
+        _check_last_dim(stat, sdim, skeep, "the variance")
+        if sdtype:
+            raise _Miss("the variance mean has a dtype= argument")
+        inner = {stat, stat.args[0]} | {a for a in stat.args[0].args if isinstance(a, torch.fx.Node)}
+    if has_dtype:
+        raise _Miss("the mean has a dtype= argument")
+    out, centered = _numerator(root, is_sqrt, lambda v: any(_same_value(v, s) for s in subs))
+    inner |= {mean, root, centered} | set(subs) | ({add} if add is not None else set())
+    inner.discard(x)
+    upcasts = _walk_upcasts(x, inner | {out})
+    x_in = upcasts[-1].args[0] if upcasts else x
+    return _Core(variant, False, x_in, upcasts, eps, None, None, out, mean, inner)
+
+
+def _check_inner(core: _Core) -> None:
+    pattern = core.inner | {core.out} | set(core.upcasts)
+    for node in sorted(core.inner | set(core.upcasts), key=lambda n: n.name):
+        outside = [u for u in node.users if u not in pattern]
+        if outside:
+            raise _Miss(f"intermediate {node.name} ({op_name(node)}) has users outside the norm: "
+                        + ", ".join(u.name for u in outside))
+
+
+def _widen_tail(core: _Core) -> None:
+    """Fold the trailing casts, * weight and (LayerNorm) + bias that only the norm's result feeds."""
+    n = tensor_meta(core.x).shape[-1]
+    cur = core.out
+    pattern = core.inner | {core.out} | set(core.upcasts) | {core.x}
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        if _is_cast(user) and user.args[0] is cur:
+            core.tail.append(("cast", user))
+            cur = user
+            continue
+        is_mul = core.weight is None and core.bias is None and _other(user, "mul", cur) is not None
+        is_add = not core.is_rms and core.bias is None and _other(user, "add", cur) is not None
+        if not (is_mul or is_add):
+            break
+        operand = _other(user, "mul" if is_mul else "add", cur)
+        t = tensor_meta(operand)
+        if t is None or operand is cur:
+            break
+        what = "weight" if is_mul else "bias"
+        if t.dim() == 1 and _same_size(t.shape[0], n):
+            if _depends_on(operand, pattern):
+                break
+            if is_mul:
+                core.weight = operand
+            else:
+                core.bias = operand
+            core.tail.append((what, user))
+            cur = user
+            continue
+        if t.dim() >= 1 and _same_size(t.shape[-1], n) and all(_same_size(s, 1) for s in t.shape[:-1]):
+            raise _Miss(f"{what} {operand.name} has shape {tuple(t.shape)}, not ({n},)")
+        break
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dropout and residual
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Inputs:
+    x: torch.fx.Node
+    residual: torch.fx.Node | None
+    dropout_p: float
+    folded: list[torch.fx.Node]  # the add / dropout nodes replaced by the op
+    h: torch.fx.Node | None  # the pre-norm sum, when folded
+
+
+def _dropout_p(node: torch.fx.Node) -> float:
+    """The dropout probability node applies (0.0 when not training), or _Miss."""
+    if node.target is torch.dropout:
+        p, training, inplace = arg(node, 1, "p"), arg(node, 2, "train"), False
+    else:
+        p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+        inplace = arg(node, 3, "inplace", False)
+    if not isinstance(training, bool):
+        raise _Miss(f"dropout's training flag is not a constant ({training!r})")
+    if not is_number(p):
+        raise _Miss(f"dropout p is not a constant number ({p!r})")
+    p = float(p) if training else 0.0
+    if not 0.0 <= p < 1.0:
+        raise _Miss(f"dropout p={p} is outside [0, 1)")
+    if inplace and p > 0.0:
+        src = node.args[0]
+        t = tensor_meta(src)
+        if len(src.users) > 1:
+            raise _Miss(f"inplace dropout whose input {src.name} has other users "
+                        "(they would see the dropped values)")
+        if src.op in ("placeholder", "get_attr") or t is None or t._is_view():
+            raise _Miss(f"inplace dropout mutates {src.name}, a graph input or a view")
+    return p
+
+
+def _input_options(h: torch.fx.Node) -> list[_Inputs]:
+    """How the normalised tensor h can feed the op, most fused first."""
+    t = tensor_meta(h)
+    if is_op(h, "dropout"):
+        return [_Inputs(h.args[0], None, _dropout_p(h), [h], h)]
+    pair = _binary(h, "add")
+    if pair is None or not all(isinstance(a, torch.fx.Node) for a in pair):
+        return [_Inputs(h, None, 0.0, [], None)]
+    metas = [tensor_meta(a) for a in pair]
+    if any(m is None or not _same_shape(m, t) for m in metas):
+        return [_Inputs(h, None, 0.0, [], None)]
+    a, b = pair
+    drops = [(d, r) for d, r in ((a, b), (b, a)) if is_op(d, "dropout")]
+    if drops:
+        d, r = drops[0]
+        if len(d.users) > 1:
+            raise _Miss(f"dropout output {d.name} has other users: "
+                        + ", ".join(u.name for u in d.users if u is not h))
+        p = _dropout_p(d)
+        return [_Inputs(d.args[0], r, p, [h, d], h)]
+    return [_Inputs(a, b, 0.0, [h], h), _Inputs(b, a, 0.0, [h], h)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rewrite
+# --------------------------------------------------------------------------------------------------------
+
+
+def _fused_op():
+    try:
+        return importlib.import_module(_OP_MODULE).add_dropout_norm
+    except (ImportError, AttributeError):
+        return None
+
+
+def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
+    parts = []
+    if any(is_op(n, "dropout") for n in inputs.folded):
+        parts.append("dropout")
+    if inputs.residual is not None:
+        parts.append("residual add")
+    parts.append(core.variant)
+    affine = [k for k, _ in core.tail if k != "cast"]
+    if affine:
+        parts.append(" + ".join(affine))
+    return " + ".join(parts) + (" (pre-norm, returns the residual)" if return_residual else "")
+
+
+def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
+    """(args, kwargs, return_residual) for one way of calling the op, or _Miss if its result differs."""
+    pattern = core.inner | {core.out} | set(core.upcasts) | {n for _, n in core.tail} | set(inputs.folded)
+    h = inputs.h
+    return_residual = h is not None and any(u not in pattern for u in h.users)
+    args = (inputs.x, inputs.residual, core.weight, core.bias)
+    kwargs = {"eps": core.eps, "dropout_p": inputs.dropout_p, "is_rms_norm": core.is_rms,
+              "return_residual": return_residual}
+    try:
+        result = _fake_result(fn, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
+        raise _Miss(f"the fused op does not take these inputs: {str(e).splitlines()[0][:200]}") from None
+    out = result[0] if return_residual else result
+    want = tensor_meta(end)
+    if want is None or not isinstance(out, torch.Tensor):
+        raise _Miss("no shape/dtype metadata to check the fused op's result against")
+    if out.dtype != want.dtype:
+        raise _Miss(f"the fused op would return {out.dtype}, eager returns {want.dtype}")
+    if not _same_shape(out, want):
+        raise _Miss(f"the fused op would return shape {tuple(out.shape)}, eager {tuple(want.shape)}")
+    if return_residual:
+        res, hv = result[1], tensor_meta(h)
+        if res.dtype != hv.dtype or not _same_shape(res, hv):
+            raise _Miss(f"the residual output would be {res.dtype}, eager's sum is {hv.dtype}")
+    return args, kwargs, return_residual, pattern
+
+
+def _fake_result(fn, args, kwargs):
+    result = fake_call(fn, args, kwargs)
+    if result is None:
+        raise RuntimeError("no fake mode for the inputs")
+    return result
+
+
+def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> set[torch.fx.Node]:
+    _check_inner(core)
+    _widen_tail(core)
+    for w, what in ((core.weight, "weight"), (core.bias, "bias")):
+        t = tensor_meta(w) if w is not None else None
+        if w is not None and (t is None or t.dim() != 1):
+            raise _Miss(f"{what} is not a 1-d tensor of the normalised size")
+    # Preferred first: input upcasts folded into the op, then kept as the op's input; trailing casts
+    # folded, then left after the op. The first way whose result matches eager's is used.
+    cut = len(core.tail)
+    while cut and core.tail[cut - 1][0] == "cast":
+        cut -= 1
+    tails = [core.tail] + ([core.tail[:cut]] if cut < len(core.tail) else [])
+    heads = [(core.x, core.upcasts)] + ([(core.upcasts[0], [])] if core.upcasts else [])
+    first_miss = None
+    for head, upcasts in heads:
+        pattern_core = _Core(core.variant, core.is_rms, head, upcasts, core.eps, core.weight, core.bias,
+                             core.out, core.anchor, core.inner, core.tail)
+        for inputs in _input_options(head):
+            for tail in tails:
+                pattern_core.tail = tail
+                end = tail[-1][1] if tail else core.out
+                try:
+                    plan = _plan(fn, pattern_core, inputs, end)
+                except _Miss as miss:
+                    first_miss = first_miss or miss
+                    continue
+                return _apply(graph, fn, pattern_core, inputs, end, plan)
+    raise first_miss
+
+
+def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> set[torch.fx.Node]:
+    args, kwargs, return_residual, pattern = plan
+    fused = insert_call(graph, fn, args, kwargs, like=core.anchor)
+    if return_residual:
+        out = insert_getitem(graph, fused, 0)
+        residual = insert_getitem(graph, fused, 1)
+        inputs.h.replace_all_uses_with(residual, delete_user_cb=lambda u: u not in pattern)
+    else:
+        out = fused
+    end.replace_all_uses_with(out)
+    record_rewrite(FAMILY, _describe(core, inputs, return_residual), _OP_NAME, core.anchor)
+    erase_unused(graph, pattern)
+    return pattern
+
+
+def rewrite(graph: torch.fx.Graph) -> None:
+    fn = _fused_op()
+    if fn is None:
+        return
+    anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm") or _is_mean_node(n)]
+    done: set[torch.fx.Node] = set()
+    for node in anchors:
+        if node in done:
+            continue
+        core = None
+        variant = "norm"
+        try:
+            if is_op(node, "layer_norm", "rms_norm"):
+                variant = "F.rms_norm" if is_op(node, "rms_norm") else "F.layer_norm"
+                core = _match_norm_call(node)
+            else:
+                variant = "hand-written LayerNorm"
+                core = _match_layer(node)
+                if core is None:
+                    variant = "hand-written RMSNorm"
+                    core = _match_rms(node)
+            if core is None:
+                continue
+            done |= _rewrite_one(graph, fn, core)
+        except _Miss as miss:
+            record_near_miss(FAMILY, core.variant if core is not None else variant, str(miss), node)
+            if core is not None:
+                done |= core.inner
+
