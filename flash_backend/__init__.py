@@ -20,6 +20,8 @@ def __getattr__(name):
     if name == "explain":
         from flash_backend.explain import explain
 
+        # Importing the submodule bound the package attribute to the module: rebind the function.
+        globals()["explain"] = explain
         return explain
     if name == "flash_backend":
         from flash_backend.backend import flash_backend

@@ -126,7 +126,10 @@ def fake_call(fn: Callable, args: Sequence, kwargs: dict):
         return v
 
     fargs, fkwargs = torch.fx.node.map_arg((tuple(args), dict(kwargs)), to_val)
-    fake_mode = detect_fake_mode(fake_tensors)
+    # The example values carry dynamo's fake mode; the tracing context a backend runs in may hold
+    # another one (torch 2.13), and mixing the two fails. Prefer the values' own mode.
+    modes = {id(m): m for m in (getattr(t, "fake_mode", None) for t in fake_tensors) if m is not None}
+    fake_mode = next(iter(modes.values())) if len(modes) == 1 else detect_fake_mode(fake_tensors)
     if fake_mode is None:
         return None
     with fake_mode:
