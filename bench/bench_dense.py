@@ -76,12 +76,38 @@ def _time(fn, x, w, b, grad, train):
     return bench_ms(step)
 
 
+def profile(m, k, n, approximate="tanh"):
+    """Kernel-by-kernel times of one fwd+bwd step, flash and eager (where the time goes)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = torch.randn(m, k, dtype=DTYPE, device="cuda", requires_grad=True)
+    w = (torch.randn(n, k, dtype=DTYPE, device="cuda") / k**0.5).requires_grad_()
+    b = torch.randn(n, dtype=DTYPE, device="cuda", requires_grad=True)
+    grad = torch.randn(m, n, dtype=DTYPE, device="cuda")
+    for impl in ("flash", "eager"):
+        fn = _make(impl, approximate)
+        for _ in range(3):
+            torch.autograd.grad(fn(x, w, b), (x, w, b), grad)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                torch.autograd.grad(fn(x, w, b), (x, w, b), grad)
+            torch.cuda.synchronize()
+        print(f"\n## profile {impl} M={m} K={k} N={n} {approximate}, 5 fwd+bwd steps")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--approximate", default="tanh,none")
     parser.add_argument("--autotune-shapes", type=int, default=2)
     parser.add_argument("--autotune-budget-s", type=float, default=240.0)
+    parser.add_argument("--profile", action="store_true", help="profile fwd+bwd at K=768 first")
     args = parser.parse_args()
+    if args.profile:
+        for m in MS:
+            profile(m, 768, 3072)
     approximations = args.approximate.split(",")
 
     results = Results("dense")

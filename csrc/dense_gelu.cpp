@@ -127,6 +127,14 @@ void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
       cached = true;
     }
   }
+  at::Tensor workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)},
+                                   at::TensorOptions().dtype(at::kByte).device(device));
+  const float alpha = 1.0f, beta = 0.0f;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  auto matmul = [&](const cublasLtMatmulAlgo_t& a) {
+    return cublasLtMatmul(handle, desc.desc, &alpha, g.a, a_layout.layout, g.b, b_layout.layout, &beta, g.d,
+                          d_layout.layout, g.d, d_layout.layout, &a, workspace.data_ptr(), kWorkspaceBytes, stream);
+  };
   if (!cached) {
     Preference pref;
     pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kWorkspaceBytes));
@@ -134,24 +142,46 @@ void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-    cublasLtMatmulHeuristicResult_t result;
+    constexpr int kCandidates = 8;
+    cublasLtMatmulHeuristicResult_t results[kCandidates];
     int found = 0;
     check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a_layout.layout, b_layout.layout, d_layout.layout,
-                                            d_layout.layout, pref.pref, 1, &result, &found),
+                                            d_layout.layout, pref.pref, kCandidates, results, &found),
              "MatmulAlgoGetHeuristic");
     TORCH_CHECK(found > 0, "flash dense (cuBLASLt): no algorithm for ", key);
-    algo = result.algo;
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    algo_cache.emplace(key, algo);
+    algo = results[0].algo;
+    // The heuristic's first pick is not always the fastest with an epilogue (the bias-gradient ones on
+    // long-K, small-output GEMMs especially): time the candidates once per problem and keep the best.
+    // Not while a CUDA graph is being captured: there the first pick is used (and not cached).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone && found > 1) {
+      cudaEvent_t start, stop;
+      C10_CUDA_CHECK(cudaEventCreate(&start));
+      C10_CUDA_CHECK(cudaEventCreate(&stop));
+      float best = -1.0f;
+      for (int i = 0; i < found; ++i) {
+        if (matmul(results[i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; skip failing candidates
+        C10_CUDA_CHECK(cudaEventRecord(start, stream));
+        for (int rep = 0; rep < 3; ++rep) check_lt(matmul(results[i].algo), "Matmul (timing)");
+        C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+        C10_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (best < 0.0f || ms < best) {
+          best = ms;
+          algo = results[i].algo;
+        }
+      }
+      C10_CUDA_CHECK(cudaEventDestroy(start));
+      C10_CUDA_CHECK(cudaEventDestroy(stop));
+    }
+    if (capture == cudaStreamCaptureStatusNone) {
+      std::lock_guard<std::mutex> lock(algo_mutex);
+      algo_cache.emplace(key, algo);
+    }
   }
-
-  at::Tensor workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)},
-                                   at::TensorOptions().dtype(at::kByte).device(device));
-  const float alpha = 1.0f, beta = 0.0f;
-  check_lt(cublasLtMatmul(handle, desc.desc, &alpha, g.a, a_layout.layout, g.b, b_layout.layout, &beta, g.d,
-                          d_layout.layout, g.d, d_layout.layout, &algo, workspace.data_ptr(), kWorkspaceBytes,
-                          at::cuda::getCurrentCUDAStream()),
-           "Matmul");
+  check_lt(matmul(algo), "Matmul");
 }
 
 void check_2d(const at::Tensor& t, const char* name) {
@@ -161,16 +191,18 @@ void check_2d(const at::Tensor& t, const char* name) {
               " must be float16 or bfloat16, got ", t.scalar_type());
 }
 
-// out = x @ weight.T + bias, optionally followed by tanh-GELU with the pre-activation kept in `pre`.
+// out = x @ weight.T + bias, optionally followed by tanh-GELU, with the pre-activation kept in `pre` when
+// `store_pre` (training); inference skips that (M, N) store.
 std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at::Tensor& weight,
-                                                    const std::optional<at::Tensor>& bias, bool gelu_tanh) {
+                                                    const std::optional<at::Tensor>& bias, bool gelu_tanh,
+                                                    bool store_pre) {
   check_2d(x, "x");
   check_2d(weight, "weight");
   TORCH_CHECK(x.size(1) == weight.size(1), "flash dense (cuBLASLt): x and weight disagree on K");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options());
-  at::Tensor pre = gelu_tanh ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
+  at::Tensor pre = gelu_tanh && store_pre ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
   if (M == 0) return {out, pre};
 
   LtGemm g;
@@ -192,10 +224,12 @@ std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at
                 "flash dense (cuBLASLt): bias must be a contiguous (N,) tensor of x's dtype");
     g.bias = bias->data_ptr();
   }
-  if (gelu_tanh) {
+  if (gelu_tanh && store_pre) {
     g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     g.aux = pre.data_ptr();
     g.ldaux = N;
+  } else if (gelu_tanh) {
+    g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
   } else {
     g.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   }
@@ -204,12 +238,13 @@ std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at
 }
 
 std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight,
-                                                             const std::optional<at::Tensor>& bias) {
-  return linear_epilogue(x, weight, bias, /*gelu_tanh=*/true);
+                                                             const std::optional<at::Tensor>& bias,
+                                                             bool store_pre) {
+  return linear_epilogue(x, weight, bias, /*gelu_tanh=*/true, store_pre);
 }
 
 at::Tensor cublaslt_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false));
+  return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false, /*store_pre=*/false));
 }
 
 // grad_weight = grad.T @ x and grad_bias = grad.sum(0), the sum done by the GEMM's BGRADB epilogue.
@@ -280,7 +315,9 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_dgrad_dgelu_bgrad(const at::T
 
 // A fragment: other csrc files register their own ops in the same `flash` namespace.
 TORCH_LIBRARY_FRAGMENT(flash, m) {
-  m.def("cublaslt_linear_gelu_tanh(Tensor x, Tensor weight, Tensor? bias) -> (Tensor out, Tensor pre)");
+  m.def(
+      "cublaslt_linear_gelu_tanh(Tensor x, Tensor weight, Tensor? bias, bool store_pre) -> "
+      "(Tensor out, Tensor pre)");
   m.def("cublaslt_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cublaslt_linear_wgrad_bgrad(Tensor grad, Tensor x) -> (Tensor grad_weight, Tensor grad_bias)");
   m.def(

@@ -74,6 +74,8 @@ def _opcheck_all(device, dtype):
         opcheck(torch.ops.flash.dense_gelu_fwd, (x, w, b, approximate))
         opcheck(torch.ops.flash.dense_gelu_fwd, (x_t, w, None, approximate))
         opcheck(torch.ops.flash.dense_gelu_bwd, (g, x.detach(), w.detach(), pre, approximate))
+        opcheck(torch.ops.flash.dense_gelu_inference, (x.detach(), w.detach(), b.detach(), approximate))
+        opcheck(torch.ops.flash.dense_gelu_inference, (x_t.detach(), w.detach(), None, approximate))
     opcheck(torch.ops.flash.dense_bias_fwd, (x, w, b))
     opcheck(torch.ops.flash.dense_bias_fwd, (x_t, w, None))
     opcheck(torch.ops.flash.dense_bias_bwd, (g, x.detach(), w.detach()))
@@ -160,6 +162,10 @@ def test_cuda_matches_reference(approximate, dtype, shape, n, bias):
     floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
     for name, e, e_torch in zip(_NAMES[: len(ours)], ours, torch_lp, strict=True):
         assert e <= 2 * e_torch + floor, (name, e, e_torch)
+    with torch.no_grad():  # the inference op (no pre-activation stored)
+        ref = gelu(*(t.float() if t is not None else None for t in (x, w, b)))
+        e_inf = (linear_bias_gelu(x, w, b, approximate).float() - ref).abs().max().item()
+    assert e_inf <= 2 * torch_lp[0] + floor, ("inference out", e_inf, torch_lp[0])
     ours = _errors(linear_bias, F.linear, x, w, b, grad)
     torch_lp = _errors(F.linear, F.linear, x, w, b, grad)
     for name, e, e_torch in zip(_NAMES[: len(ours)], ours, torch_lp, strict=True):
@@ -176,8 +182,10 @@ def test_cublaslt_gelu_epilogue_is_tanh():
     x = torch.eye(k, dtype=torch.float16, device="cuda")
     w = torch.linspace(-6, 6, 64 * k, device="cuda").view(64, k).half()
     b = torch.zeros(64, dtype=torch.float16, device="cuda")
-    out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(x, w, b)
+    out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(x, w, b, True)
     assert torch.equal(pre, w.t())  # the aux output is the exact pre-activation
+    out_inference, _ = torch.ops.flash.cublaslt_linear_gelu_tanh(x, w, b, False)  # GELU_BIAS, no aux
+    torch.testing.assert_close(out_inference, out, atol=1e-3, rtol=0)
     p = pre.double()
     neg = p < 0
 
@@ -223,6 +231,7 @@ def test_opcheck_cuda(dtype):
     _opcheck_all("cuda", dtype)
     dense._extension()
     x, w, b = _inputs((40, 64), 32, dtype, "cuda")
-    opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, b))
+    opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, b, True))
+    opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, None, False))
     opcheck(torch.ops.flash.cublaslt_linear, (x, w, None))
     opcheck(torch.ops.flash.cublaslt_linear_wgrad_bgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))

@@ -140,8 +140,9 @@ def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
 
 def _register_cpp_fakes() -> None:
     @torch.library.register_fake("flash::cublaslt_linear_gelu_tanh")
-    def _(x, weight, bias):
-        return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], weight.shape[0])
+    def _(x, weight, bias, store_pre):
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        return out, x.new_empty(out.shape if store_pre else (0,))
 
     @torch.library.register_fake("flash::cublaslt_linear")
     def _(x, weight, bias):
@@ -189,7 +190,7 @@ def _(x, weight, bias, approximate):
     shape = (*x.shape[:-1], weight.shape[0])
     bias = bias.contiguous() if bias is not None else None
     if approximate == "tanh":
-        out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias)
+        out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias, True)
     else:
         pre = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
         out = F.gelu(pre, approximate="none")
@@ -201,6 +202,33 @@ def _(x, weight, bias, approximate):
     _check(x, weight, bias, approximate)
     shape = (*x.shape[:-1], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape)
+
+
+@torch.library.custom_op("flash::dense_gelu_inference", mutates_args=())
+def dense_gelu_inference(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
+    """dense_gelu_fwd without the pre-activation, for inference: no (M, N) store of it, no autograd."""
+    _check(x, weight, bias, approximate)
+    return dense_gelu_reference(x, weight, bias, approximate)[0].contiguous()
+
+
+@dense_gelu_inference.register_kernel("cuda")
+def _(x, weight, bias, approximate):
+    _check(x, weight, bias, approximate)
+    if not _cublaslt_ok(x, weight):
+        return dense_gelu_reference(x, weight, bias, approximate)[0].contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    shape = (*x.shape[:-1], weight.shape[0])
+    if approximate == "tanh":
+        out, _ = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias, False)
+        return out.view(shape)
+    pre = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
+    return torch.ops.aten.gelu_(pre, approximate="none").view(shape)
+
+
+@dense_gelu_inference.register_fake
+def _(x, weight, bias, approximate):
+    _check(x, weight, bias, approximate)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("flash::dense_gelu_bwd", mutates_args=())
@@ -317,7 +345,9 @@ torch.library.register_autograd("flash::dense_bias_fwd", _backward_bias, setup_c
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> Tensor:
     """F.gelu(F.linear(x, weight, bias), approximate=approximate), fused. weight is (N, K) like nn.Linear."""
     _check(x, weight, bias, approximate)
-    return torch.ops.flash.dense_gelu_fwd(x, weight, bias, approximate)[0]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return torch.ops.flash.dense_gelu_fwd(x, weight, bias, approximate)[0]
+    return torch.ops.flash.dense_gelu_inference(x, weight, bias, approximate)
 
 
 def linear_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
