@@ -147,6 +147,7 @@ def main():
                     table.append([approximate, m, k, n, mode, row["flash"], row["eager"], row["inductor"],
                                   row.get("inductor_max_autotune", "-"), row.get("addmm_activation", "-"),
                                   row["flash"] / row["inductor"], row["flash"] / max(others)])
+                    results.write()  # a run cut short by the device's time limit still leaves its rows
                 del x, w, b, grad
     path = results.write()
     print(f"\nwrote {path}\n")
