@@ -1,0 +1,269 @@
+"""Dense family: Linear (F.linear / nn.Linear / torch.addmm) followed by GELU -> flash linear_bias_gelu.
+
+Why: in eager and in Inductor the GELU after a Linear is a separate pass over the (M, N) activations
+forward and another backward, and the bias gradient a separate reduction; the fused op runs the bias,
+the (tanh) GELU and the store of the pre-activation in the GEMM's epilogue, and the bias gradient in
+the weight-gradient GEMM (flash_backend/ops/dense.py).
+
+What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
+backward): ``F.linear(x, w, b)`` (nn.Linear), or ``torch.addmm(b, x, m)`` with default alpha/beta
+(transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back to (..., N)),
+followed by a GELU of that output:
+
+- ``F.gelu(h)`` / ``nn.GELU`` / transformers' GELUActivation, with its ``approximate`` kept exactly;
+- GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
+  ``x * 0.5 * (1 + erf(x / sqrt(2)))``): any subgraph of pointwise ``mul/add/sub/div/pow/neg`` with
+  constant scalars and one ``tanh`` or ``erf``, fed by h alone, that evaluates (in fp64, on a grid over
+  [-8, 8]) to the tanh or the erf GELU to 1e-9. Which one it is decides ``approximate``: an erf GELU
+  never becomes a tanh one.
+
+Left alone, with the reason reported: a Linear whose output has users besides the GELU (its
+pre-activation is needed elsewhere), an addmm with alpha/beta, and a candidate whose fused result
+would differ in dtype or shape from eager's (checked by running the op on the fake inputs).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.fx
+
+from fx_passes._match import arg, erase_unused, fake_call, insert_call, is_number, is_op, op_name, tensor_meta
+from fx_passes._report import record_near_miss, record_rewrite
+
+FAMILY = "dense"
+
+_OP_MODULE = "flash_backend.ops.dense"
+_OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
+_POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "tanh", "erf"}
+_MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
+_GRID = torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64)
+
+
+class _Miss(Exception):
+    """A candidate that is not provably the same function; the message is the reason."""
+
+
+def _fused_op():
+    try:
+        return importlib.import_module(_OP_MODULE).linear_bias_gelu
+    except (ImportError, AttributeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The Linear
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_transpose_2d(node: object) -> bool:
+    if not isinstance(node, torch.fx.Node) or tensor_meta(node) is None or tensor_meta(node).dim() != 2:
+        return False
+    name = op_name(node)
+    if name == "t" or node.target is torch.t:
+        return True
+    if name == "transpose" or node.target == "transpose":
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1] if len(node.args) == 3 else False
+    if name == "permute" or node.target == "permute":
+        packed = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+        dims = node.args[1] if packed else node.args[1:]
+        return list(dims) == [1, 0]
+    return False
+
+
+def _linear_inputs(node: torch.fx.Node):
+    """(variant, x, weight-or-None, transposed-weight-or-None, bias) of a Linear-like node, else None."""
+    if is_op(node, "linear"):
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        return "F.linear", x, w, None, b
+    if is_op(node, "addmm") and node.op == "call_function":
+        if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
+            raise _Miss("addmm has alpha/beta other than 1")
+        b, x, m = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
+        bt = tensor_meta(b)
+        if bt is None or bt.dim() != 1:
+            raise _Miss("addmm's bias is not a 1-d (N,) tensor")
+        if _is_transpose_2d(m):
+            return "torch.addmm(b, x, w.t())", x, m.args[0], None, b
+        return "torch.addmm(b, x, w) (Conv1D)", x, None, m, b
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The GELU after it
+# --------------------------------------------------------------------------------------------------
+
+
+def _descendants(h: torch.fx.Node, limit: int) -> list[torch.fx.Node]:
+    """Nodes downstream of h in graph order, the first `limit` of them."""
+    order = {n: i for i, n in enumerate(h.graph.nodes)}
+    seen, stack = set(), list(h.users)
+    while stack and len(seen) < 4 * limit:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return sorted(seen, key=order.get)[:limit]
+
+
+def _ancestors_within(end: torch.fx.Node, h: torch.fx.Node, allowed: set[torch.fx.Node]):
+    region, stack = set(), [end]
+    while stack:
+        n = stack.pop()
+        if n is h or n in region:
+            continue
+        if n not in allowed:
+            return None
+        region.add(n)
+        stack.extend(n.all_input_nodes)
+    return region
+
+
+def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, x: torch.Tensor):
+    """The region as a function of h, run in fp64 on x (None if it is not pure pointwise math)."""
+    values = {h: x}
+    for n in sorted(region, key={m: i for i, m in enumerate(h.graph.nodes)}.get):
+        if op_name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
+            return None
+
+        def lookup(a):
+            return values[a]
+
+        args = torch.fx.node.map_arg(n.args, lookup)
+        kwargs = torch.fx.node.map_arg(n.kwargs, lookup)
+        flat = [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+        if not all(is_number(a) for a in flat):
+            return None
+        fn = n.target if n.op == "call_function" else getattr(torch.Tensor, n.target)
+        values[n] = fn(*args, **kwargs)
+    return values[end]
+
+
+def _match_written_out(h: torch.fx.Node):
+    """(approximate, end, region) for GELU written out on h, else None."""
+    candidates = _descendants(h, _MAX_WRITTEN_OUT)
+    allowed = set(candidates)
+    with torch.no_grad():
+        ref = {a: torch.nn.functional.gelu(_GRID, approximate=a) for a in ("none", "tanh")}
+    for end in candidates:
+        region = _ancestors_within(end, h, allowed)
+        if region is None or not any(is_op(n, "tanh", "erf") for n in region):
+            continue
+        if sum(is_op(n, "tanh", "erf") for n in region) != 1:
+            continue
+        if any(u not in region for n in region - {end} for u in n.users):
+            continue  # an intermediate feeds something else; h's other users are reported by the caller
+        try:
+            y = _evaluate(region, h, end, _GRID)
+        except Exception:  # noqa: BLE001 - not evaluable: not a GELU we recognise
+            y = None
+        if not isinstance(y, torch.Tensor) or y.shape != _GRID.shape:
+            continue
+        for approximate, r in ref.items():
+            if torch.allclose(y, r, rtol=0, atol=1e-9):
+                return approximate, end, region
+    return None
+
+
+def _gelu_after(h: torch.fx.Node):
+    """(variant, approximate, end, region) of the GELU applied to h, else None."""
+    for u in h.users:
+        if is_op(u, "gelu"):
+            approximate = arg(u, 1, "approximate", "none")
+            if approximate not in ("none", "tanh"):
+                raise _Miss(f"F.gelu approximate={approximate!r} is not 'none' or 'tanh'")
+            return "F.gelu" + ("(tanh)" if approximate == "tanh" else ""), approximate, u, {u}
+    found = _match_written_out(h)
+    if found is None:
+        return None
+    approximate, end, region = found
+    return f"GELU written out ({'tanh' if approximate == 'tanh' else 'erf'})", approximate, end, region
+
+
+def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
+    """Conv1D's `addmm(...).view(*size_out)`: the single view/reshape user keeping the last dim."""
+    if len(h.users) != 1:
+        return None
+    (v,) = h.users
+    if op_name(v) not in ("view", "reshape") and v.target not in ("view", "reshape"):
+        return None
+    hv, vv = tensor_meta(h), tensor_meta(v)
+    if hv is None or vv is None or vv.shape[-1] != hv.shape[-1]:
+        return None
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewrite
+# --------------------------------------------------------------------------------------------------
+
+
+def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
+    found = _linear_inputs(linear)
+    if found is None:
+        return False
+    variant, x, weight, mat2, bias = found
+    view = _view_after(linear) if is_op(linear, "addmm") else None
+    h = view if view is not None else linear
+    gelu = _gelu_after(h)
+    if gelu is None:
+        return False
+    gelu_variant, approximate, end, region = gelu
+    variant = f"{variant} + {gelu_variant}"
+    outside = [u for u in h.users if u not in region]
+    if outside:
+        raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
+                    "is needed; not fused")
+
+    if mat2 is not None:
+        weight = insert_call(graph, torch.t, (mat2,), like=linear)
+    args, kwargs = (x, weight, bias), {"approximate": approximate}
+    try:
+        result = fake_call(fn, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
+        _drop(graph, weight, mat2)
+        reason = str(e).splitlines()[0][:200]
+        raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
+    want = tensor_meta(end)
+    if view is not None and isinstance(result, torch.Tensor):
+        want = tensor_meta(linear)
+    if not isinstance(result, torch.Tensor) or want is None or result.dtype != want.dtype or \
+            tuple(result.shape) != tuple(want.shape):
+        _drop(graph, weight, mat2)
+        got = (result.dtype, tuple(result.shape)) if isinstance(result, torch.Tensor) else None
+        raise _Miss(f"{variant}: the fused op would return {got}, eager "
+                    f"{(want.dtype, tuple(want.shape)) if want is not None else 'has no metadata'}")
+
+    fused = insert_call(graph, fn, args, kwargs, like=linear)
+    if view is not None:
+        fused = insert_call(graph, view.target if view.op == "call_function" else _method(view.target),
+                            (fused, *view.args[1:]), dict(view.kwargs), like=view)
+    end.replace_all_uses_with(fused)
+    record_rewrite(FAMILY, variant, _OP_NAME, linear)
+    erase_unused(graph, region | {h, linear})
+    return True
+
+
+def _method(name: str):
+    return getattr(torch.Tensor, name)
+
+
+def _drop(graph: torch.fx.Graph, weight: torch.fx.Node, mat2) -> None:
+    if mat2 is not None and not weight.users:
+        graph.erase_node(weight)
+
+
+def rewrite(graph: torch.fx.Graph) -> None:
+    fn = _fused_op()
+    if fn is None:
+        return
+    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm")]
+    for node in linears:
+        if node.graph is not graph:
+            continue
+        try:
+            _rewrite_one(graph, fn, node)
+        except _Miss as miss:
+            record_near_miss(FAMILY, "Linear + GELU", str(miss), node)
+
