@@ -1,0 +1,1146 @@
+"""FlashAttention-2 backward in Triton, without atomics (deterministic).
+
+Three kernels: delta = rowsum(dO * O); dK/dV, one program per BLOCK_N keys of one kv head, walking every
+query head of its GQA group and the query blocks that can see those keys (so GQA needs no reduction
+afterwards); dQ, one program per BLOCK_M queries, walking the visible key blocks. The split recomputes
+P and dP in the dQ kernel (7 matmuls instead of 5) in exchange for no atomics and no fp32 dQ buffer.
+When the bias needs a gradient the dK/dV kernel also writes dS (fp32, full (B, H, Sq, Sk)), which is then
+summed over the bias's broadcast dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, head_dim_bucket
+
+# head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
+DKDV_CONFIGS = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2), 256: (32, 64, 8, 1)}
+DQ_CONFIGS = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 1)}
+
+
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    OUT,
+    DOUT,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,  # out (B, H, Sq, D)
+    stride_db,
+    stride_dh,
+    stride_dm,
+    stride_dd,  # dout like out
+    H,
+    SEQ_Q,  # for varlen: B = 1 and SEQ_Q = total tokens
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(
+        OUT
+        + b.to(tl.int64) * stride_ob
+        + h * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_om
+        + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DOUT
+        + b.to(tl.int64) * stride_db
+        + h * stride_dh
+        + offs_m[:, None].to(tl.int64) * stride_dm
+        + offs_d[None, :] * stride_dd,
+        mask=mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * SEQ_Q + offs_m, delta, mask=offs_m < SEQ_Q)
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, b, SEQ_Q, SEQ_K, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        seqlen_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        seqlen_k = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        seqlen_q = SEQ_Q
+        k_start = 0
+        seqlen_k = SEQ_K
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    mask_ptrs,
+    ds_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    seed,
+    stride_qm,
+    stride_dom,
+    stride_mm,
+    stride_dsm,
+    stride_lm,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    diag,
+    window_left,
+    window_right,
+    qk_scale,
+    dropout_p,
+    bh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BOUNDARY: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        rows = start_m + offs_m
+        if BOUNDARY or HEAD_DIM != BLOCK_D:
+            qmask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(q_ptrs + start_m * stride_qm, mask=qmask, other=0.0)
+            do = tl.load(do_ptrs + start_m * stride_dom, mask=qmask, other=0.0)
+        else:
+            q = tl.load(q_ptrs + start_m * stride_qm)
+            do = tl.load(do_ptrs + start_m * stride_dom)
+        if BOUNDARY:
+            lse = tl.load(lse_ptrs + rows * stride_lm, mask=rows < seqlen_q, other=float("inf"))
+            delta = tl.load(delta_ptrs + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            lse = tl.load(lse_ptrs + rows * stride_lm)
+            delta = tl.load(delta_ptrs + rows)
+        # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
+        qkT = tl.dot(k, tl.trans(q)) * qk_scale
+        if HAS_MASK:
+            if BOUNDARY:
+                bias = tl.load(
+                    mask_ptrs + start_m * stride_mm,
+                    mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+                    other=0,
+                )
+            else:
+                bias = tl.load(mask_ptrs + start_m * stride_mm)
+            if MASK_IS_BOOL:
+                qkT = tl.where(bias, qkT, float("-inf"))
+            else:
+                qkT = qkT + bias.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            rel = offs_n[:, None] - (rows[None, :] + diag)
+            visible = offs_n[:, None] < seqlen_k
+            if HAS_RIGHT:
+                visible = visible & (rel <= window_right)
+            if HAS_LEFT:
+                visible = visible & (rel >= -window_left)
+            qkT = tl.where(visible, qkT, float("-inf"))
+        pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
+        dpT = tl.dot(v, tl.trans(do))
+        if HAS_DROPOUT:
+            keepT = tl.trans(_dropout_keep(seed, rows, offs_n, seqlen_k, bh, dropout_p))
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pdT = tl.where(keepT, pT * inv_keep, 0.0)
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            pdT = pT
+        dv += tl.dot(pdT.to(do.dtype), do)
+        dsT = pT * (dpT - delta[None, :])
+        if STORE_DBIAS:
+            tl.store(
+                ds_ptrs + start_m * stride_dsm,
+                dsT,
+                mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+            )
+        dk += tl.dot(dsT.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    MASK,
+    SEED,
+    DOUT,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DS,
+    CU_Q,
+    CU_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,  # q (B, Hq, Sq, D); varlen: stride_qb = 0
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,  # k (B, Hkv, Sk, D)
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,  # v
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,  # mask, 0 on broadcast dims
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,  # dout like q
+    stride_lb,
+    stride_lh,
+    stride_lm,  # logsumexp (B, Hq, Sq); delta is contiguous (B*Hq, Sq)
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,  # dk like k
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,  # dv like v
+    stride_dsb,
+    stride_dsh,
+    stride_dsm,
+    stride_dsn,  # dS (B, Hq, Sq, Sk) fp32, only with STORE_DBIAS
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    DELTA_SEQ,  # heads of q, Hq // Hkv, lengths, row length of DELTA
+    qk_scale,
+    sm_scale,
+    dropout_p,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    HKV = H // GROUP
+    b = pid_bhk // HKV
+    hk = pid_bhk % HKV
+    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(CU_Q, CU_K, b, SEQ_Q, SEQ_K, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+    diag = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        K
+        + b.to(tl.int64) * stride_kb
+        + hk * stride_kh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_kn
+        + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V
+        + b.to(tl.int64) * stride_vb
+        + hk * stride_vh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_vn
+        + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    # Query blocks: [lo, full_lo) and [full_hi, hi) need element masks, [full_lo, full_hi) do not.
+    # Query i sees key j when j - i - diag lies in [-left, right].
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = n0 - diag - window_right
+        lo = lo + (0 - lo) * (lo < 0).to(tl.int32)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = n0 + BLOCK_N - 1 - diag - window_right
+        full_lo = full_lo + (0 - full_lo) * (full_lo < 0).to(tl.int32)
+        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi_l = n0 + BLOCK_N - 1 - diag + window_left + 1
+        hi = hi + (hi_l - hi) * (hi_l < hi).to(tl.int32)
+        fh = ((n0 - diag + window_left + 1) // BLOCK_M) * BLOCK_M
+        full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
+    if n0 + BLOCK_N > seqlen_k:
+        full_hi = full_lo  # a partial key block needs element masks everywhere
+    hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
+    full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
+    full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
+    full_hi = full_hi + (full_lo - full_hi) * (full_hi < full_lo).to(tl.int32)
+    full_hi = full_hi + (hi - full_hi) * (full_hi > hi).to(tl.int32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        q_ptrs = (
+            Q
+            + b.to(tl.int64) * stride_qb
+            + h * stride_qh
+            + (q_start + offs_m[:, None]).to(tl.int64) * stride_qm
+            + offs_d[None, :] * stride_qd
+        )
+        do_ptrs = (
+            DOUT
+            + b.to(tl.int64) * stride_dob
+            + h * stride_doh
+            + (q_start + offs_m[:, None]).to(tl.int64) * stride_dom
+            + offs_d[None, :] * stride_dod
+        )
+        mask_ptrs = (
+            MASK
+            + b.to(tl.int64) * stride_mb
+            + h * stride_mh
+            + offs_m[None, :].to(tl.int64) * stride_mm
+            + offs_n[:, None] * stride_mn
+        )
+        ds_ptrs = (
+            DS
+            + b.to(tl.int64) * stride_dsb
+            + h.to(tl.int64) * stride_dsh
+            + offs_m[None, :].to(tl.int64) * stride_dsm
+            + offs_n[:, None] * stride_dsn
+        )
+        lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + q_start * stride_lm
+        delta_ptrs = DELTA + (b * H + h).to(tl.int64) * DELTA_SEQ + q_start
+        if IS_VARLEN:
+            delta_ptrs = DELTA + h.to(tl.int64) * DELTA_SEQ + q_start
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            mask_ptrs,
+            ds_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            seed,
+            stride_qm,
+            stride_dom,
+            stride_mm,
+            stride_dsm,
+            stride_lm,
+            offs_m,
+            offs_n,
+            offs_d,
+            lo,
+            full_lo,
+            seqlen_q,
+            seqlen_k,
+            diag,
+            window_left,
+            window_right,
+            qk_scale,
+            dropout_p,
+            bh,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+            HAS_MASK,
+            MASK_IS_BOOL,
+            STORE_DBIAS,
+            HAS_DROPOUT,
+            HAS_LEFT,
+            HAS_RIGHT,
+            1,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            mask_ptrs,
+            ds_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            seed,
+            stride_qm,
+            stride_dom,
+            stride_mm,
+            stride_dsm,
+            stride_lm,
+            offs_m,
+            offs_n,
+            offs_d,
+            full_lo,
+            full_hi,
+            seqlen_q,
+            seqlen_k,
+            diag,
+            window_left,
+            window_right,
+            qk_scale,
+            dropout_p,
+            bh,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            False,
+            HAS_MASK,
+            MASK_IS_BOOL,
+            STORE_DBIAS,
+            HAS_DROPOUT,
+            HAS_LEFT,
+            HAS_RIGHT,
+            NUM_STAGES,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_ptrs,
+            do_ptrs,
+            mask_ptrs,
+            ds_ptrs,
+            lse_ptrs,
+            delta_ptrs,
+            seed,
+            stride_qm,
+            stride_dom,
+            stride_mm,
+            stride_dsm,
+            stride_lm,
+            offs_m,
+            offs_n,
+            offs_d,
+            full_hi,
+            hi,
+            seqlen_q,
+            seqlen_k,
+            diag,
+            window_left,
+            window_right,
+            qk_scale,
+            dropout_p,
+            bh,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+            HAS_MASK,
+            MASK_IS_BOOL,
+            STORE_DBIAS,
+            HAS_DROPOUT,
+            HAS_LEFT,
+            HAS_RIGHT,
+            1,
+        )
+    dk = dk * sm_scale
+    tl.store(
+        DK
+        + b.to(tl.int64) * stride_dkb
+        + hk * stride_dkh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkn
+        + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV
+        + b.to(tl.int64) * stride_dvb
+        + hk * stride_dvh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvn
+        + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
+
+
+@triton.jit
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    mask_ptrs,
+    seed,
+    stride_kn,
+    stride_vn,
+    stride_mn,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seqlen_k,
+    diag,
+    window_left,
+    window_right,
+    qk_scale,
+    dropout_p,
+    bh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BOUNDARY: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start_n + offs_n
+        if BOUNDARY or HEAD_DIM != BLOCK_D:
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_MASK:
+            if BOUNDARY:
+                bias = tl.load(mask_ptrs + start_n * stride_mn, mask=cols[None, :] < seqlen_k, other=0)
+            else:
+                bias = tl.load(mask_ptrs + start_n * stride_mn)
+            if MASK_IS_BOOL:
+                qk = tl.where(bias, qk, float("-inf"))
+            else:
+                qk = qk + bias.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            visible = cols[None, :] < seqlen_k
+            rel = cols[None, :] - (offs_m[:, None] + diag)
+            if HAS_RIGHT:
+                visible = visible & (rel <= window_right)
+            if HAS_LEFT:
+                visible = visible & (rel >= -window_left)
+            qk = tl.where(visible, qk, float("-inf"))
+        p = tl.math.exp2(qk - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, offs_m, cols, seqlen_k, bh, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    MASK,
+    SEED,
+    DOUT,
+    LSE,
+    DELTA,
+    DQ,
+    CU_Q,
+    CU_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,  # q (B, Hq, Sq, D); varlen: stride_qb = 0
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,  # k (B, Hkv, Sk, D)
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,  # v
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,  # mask, 0 on broadcast dims
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,  # dout like q
+    stride_lb,
+    stride_lh,
+    stride_lm,  # logsumexp; delta is contiguous (B*Hq, DELTA_SEQ)
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,  # dq like q
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    DELTA_SEQ,
+    qk_scale,
+    sm_scale,
+    dropout_p,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_start, seqlen_q, k_start, seqlen_k = _seq_bounds(CU_Q, CU_K, b, SEQ_Q, SEQ_K, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    diag = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qmask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(
+        Q
+        + b.to(tl.int64) * stride_qb
+        + h * stride_qh
+        + (q_start + offs_m[:, None]).to(tl.int64) * stride_qm
+        + offs_d[None, :] * stride_qd,
+        mask=qmask,
+        other=0.0,
+    )
+    do = tl.load(
+        DOUT
+        + b.to(tl.int64) * stride_dob
+        + h * stride_doh
+        + (q_start + offs_m[:, None]).to(tl.int64) * stride_dom
+        + offs_d[None, :] * stride_dod,
+        mask=qmask,
+        other=0.0,
+    )
+    lse = (
+        tl.load(
+            LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + offs_m) * stride_lm,
+            mask=offs_m < seqlen_q,
+            other=float("inf"),
+        )
+        * 1.4426950408889634
+    )
+    if IS_VARLEN:
+        delta = tl.load(
+            DELTA + h.to(tl.int64) * DELTA_SEQ + q_start + offs_m, mask=offs_m < seqlen_q, other=0.0
+        )
+    else:
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * DELTA_SEQ + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    k_ptrs = (
+        K
+        + b.to(tl.int64) * stride_kb
+        + hk * stride_kh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_kn
+        + offs_d[None, :] * stride_kd
+    )
+    v_ptrs = (
+        V
+        + b.to(tl.int64) * stride_vb
+        + hk * stride_vh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_vn
+        + offs_d[None, :] * stride_vd
+    )
+    mask_ptrs = (
+        MASK
+        + b.to(tl.int64) * stride_mb
+        + h * stride_mh
+        + offs_m[:, None].to(tl.int64) * stride_mm
+        + offs_n[None, :] * stride_mn
+    )
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = m0 + diag - window_left
+        lo = lo + (0 - lo) * (lo < 0).to(tl.int32)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = m0 + BLOCK_M - 1 + diag - window_left
+        full_lo = full_lo + (0 - full_lo) * (full_lo < 0).to(tl.int32)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi_r = m0 + BLOCK_M - 1 + diag + window_right + 1
+        hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
+        fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
+        full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
+    hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
+    full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
+    full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
+    full_hi = full_hi + (full_lo - full_hi) * (full_hi < full_lo).to(tl.int32)
+    full_hi = full_hi + (hi - full_hi) * (full_hi > hi).to(tl.int32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        lo,
+        full_lo,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        pid_bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        1,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_lo,
+        full_hi,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        pid_bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        NUM_STAGES,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        pid_bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        1,
+    )
+    dq = dq * sm_scale
+    tl.store(
+        DQ
+        + b.to(tl.int64) * stride_dqb
+        + h * stride_dqh
+        + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqm
+        + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=qmask,
+    )
+
+
+def _mask_args(attn_mask, dummy):
+    if attn_mask is None:
+        return dummy, (0, 0, 0, 0), False, False
+    strides = tuple(0 if attn_mask.shape[d] == 1 else attn_mask.stride(d) for d in range(4))
+    return attn_mask, strides, True, attn_mask.dtype == torch.bool
+
+
+def _launch_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    dq,
+    dk,
+    dv,
+    ds,
+    views,
+    B,
+    H,
+    Hkv,
+    seq_q,
+    seq_k,
+    max_q,
+    max_k,
+    cu_q,
+    cu_k,
+    config,
+    launch,
+):
+    q_s, k_s, v_s, o_s, do_s, l_s, dq_s, dk_s, dv_s = views
+    D = q.shape[-1]
+    block_d = max(triton.next_power_of_2(D), 16)
+    bucket = head_dim_bucket(D)
+    dkdv_cfg, dq_cfg = config or (DKDV_CONFIGS[bucket], DQ_CONFIGS[bucket])
+    varlen = cu_q is not None
+    delta_rows, delta_seq = (H, q.shape[0]) if varlen else (B * H, seq_q)
+    delta = torch.empty((delta_rows, delta_seq), dtype=torch.float32, device=q.device)
+    pre_b, pre_h = (1, H) if varlen else (B, H)
+    launch(_attention_bwd_preprocess_kernel)[(triton.cdiv(delta_seq, 64), pre_b * pre_h)](
+        out, dout, delta, *o_s, *do_s, H, delta_seq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64, num_warps=4
+    )
+    mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, q)
+    dummy = q
+    common = dict(
+        HAS_MASK=has_mask,
+        MASK_IS_BOOL=mask_is_bool,
+        HAS_DROPOUT=dropout_p > 0.0,
+        IS_VARLEN=varlen,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+    )
+    seed_t = seed if seed is not None else dummy
+    cu_q_t = cu_q if cu_q is not None else dummy
+    cu_k_t = cu_k if cu_k is not None else dummy
+    ds_t, ds_s = (ds, ds.stride()) if ds is not None else (dummy, (0, 0, 0, 0))
+    bm, bn, warps, stages = dkdv_cfg
+    launch(_attention_bwd_dkdv_kernel)[(triton.cdiv(max_k, bn), B * Hkv)](
+        q,
+        k,
+        v,
+        mask_t,
+        seed_t,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        ds_t,
+        cu_q_t,
+        cu_k_t,
+        *q_s,
+        *k_s,
+        *v_s,
+        *m_s,
+        *do_s,
+        *l_s,
+        *dk_s,
+        *dv_s,
+        *ds_s,
+        H,
+        H // Hkv,
+        seq_q,
+        seq_k,
+        delta_seq,
+        scale * LOG2E,
+        scale,
+        dropout_p,
+        window_left,
+        window_right,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        STORE_DBIAS=ds is not None,
+        NUM_STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
+        **common,
+    )
+    bm, bn, warps, stages = dq_cfg
+    launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
+        q,
+        k,
+        v,
+        mask_t,
+        seed_t,
+        dout,
+        lse,
+        delta,
+        dq,
+        cu_q_t,
+        cu_k_t,
+        *q_s,
+        *k_s,
+        *v_s,
+        *m_s,
+        *do_s,
+        *l_s,
+        *dq_s,
+        H,
+        H // Hkv,
+        seq_q,
+        seq_k,
+        delta_seq,
+        scale * LOG2E,
+        scale,
+        dropout_p,
+        window_left,
+        window_right,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        NUM_STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
+        **common,
+    )
+
+
+def attention_backward_launch(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    dq,
+    dk,
+    dv,
+    dbias,
+    *,
+    config=None,
+    launch=wrap_triton,
+):
+    """Fill dq, dk, dv (and dbias, attn_mask's shape, when given) for (B, H, S, D) inputs of any strides."""
+    B, H, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ds = None
+    if dbias is not None:
+        ds = torch.zeros((B, H, Sq, Sk), dtype=torch.float32, device=q.device)
+    views = tuple(t.stride() for t in (q, k, v, out, dout, lse, dq, dk, dv))
+    _launch_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        dq,
+        dk,
+        dv,
+        ds,
+        views,
+        B,
+        H,
+        Hkv,
+        Sq,
+        Sk,
+        Sq,
+        Sk,
+        None,
+        None,
+        config,
+        launch,
+    )
+    if dbias is not None:
+        dims = [d for d in range(4) if attn_mask.shape[d] == 1 and ds.shape[d] != 1]
+        dbias.copy_(ds.sum(dim=dims, keepdim=True) if dims else ds)
+
+
+def attention_varlen_backward_launch(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    dq,
+    dk,
+    dv,
+    *,
+    config=None,
+    launch=wrap_triton,
+):
+    _, H, _ = q.shape
+    Hkv = k.shape[1]
+    B = cu_q.shape[0] - 1
+
+    def bhsd(t):
+        return (0, t.stride(1), t.stride(0), t.stride(2))
+
+    views = (
+        bhsd(q),
+        bhsd(k),
+        bhsd(v),
+        bhsd(out),
+        bhsd(dout),
+        (0, lse.stride(0), lse.stride(1)),
+        bhsd(dq),
+        bhsd(dk),
+        bhsd(dv),
+    )
+    _launch_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        dq,
+        dk,
+        dv,
+        None,
+        views,
+        B,
+        H,
+        Hkv,
+        0,
+        0,
+        max_seqlen_q,
+        max_seqlen_k,
+        cu_q,
+        cu_k,
+        config,
+        launch,
+    )

@@ -1,0 +1,572 @@
+"""FlashAttention-2 forward in Triton: one program per BLOCK_M query rows of one (batch, head).
+
+The key range of a query block is split into blocks that need no element mask (fully visible, fully in
+bounds: the fast loop, no `where`) and the few boundary blocks around the causal diagonal / window edges /
+sequence end (the masked loop). Blocks entirely outside the window are never visited. Softmax runs in
+base 2 with log2(e) folded into the scale. Strides are passed for every tensor, so (B, S, H, D)-transposed
+inputs, broadcast masks (stride 0) and packed varlen sequences (per-sequence offsets from cu_seqlens) run
+through the same kernel without copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# (head_dim bucket, causal) -> (BLOCK_M, BLOCK_N, num_warps, num_stages); tuned on an H200 (bench --sweep).
+FWD_CONFIGS = {
+    (64, False): (128, 128, 8, 3),
+    (64, True): (128, 64, 4, 3),
+    (128, False): (128, 128, 8, 3),
+    (128, True): (128, 64, 8, 3),
+    (256, False): (128, 64, 8, 2),
+    (256, True): (128, 64, 8, 2),
+}
+
+
+def head_dim_bucket(d: int) -> int:
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def fwd_config(head_dim: int, causal: bool, override=None):
+    return override or FWD_CONFIGS[(head_dim_bucket(head_dim), causal)]
+
+
+@triton.jit
+def _dropout_keep(seed, offs_m, offs_n, seqlen_k, bh, dropout_p):
+    """Triton's philox(seed, (i * Sk + j, b * H + h, 0, 0)), as the reference's philox_uniform."""
+    c0 = (offs_m[:, None] * seqlen_k + offs_n[None, :]).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    r, _, _, _ = tl.random.philox(seed, c0, zero + bh, zero, zero)
+    return tl.random.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
+def _attention_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    mask_ptrs,
+    seed,
+    stride_kn,
+    stride_vn,
+    stride_mn,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seqlen_k,
+    diag,
+    window_left,
+    window_right,
+    qk_scale,
+    dropout_p,
+    bh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BOUNDARY: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start_n + offs_n
+        if BOUNDARY or HEAD_DIM != BLOCK_D:
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_MASK:
+            if BOUNDARY:
+                bias = tl.load(mask_ptrs + start_n * stride_mn, mask=cols[None, :] < seqlen_k, other=0)
+            else:
+                bias = tl.load(mask_ptrs + start_n * stride_mn)
+            if MASK_IS_BOOL:
+                qk = tl.where(bias, qk, float("-inf"))
+            else:
+                qk = qk + bias.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            visible = cols[None, :] < seqlen_k
+            rel = cols[None, :] - (offs_m[:, None] + diag)
+            if HAS_RIGHT:
+                visible = visible & (rel <= window_right)
+            if HAS_LEFT:
+                visible = visible & (rel >= -window_left)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = tl.where(_dropout_keep(seed, offs_m, cols, seqlen_k, bh, dropout_p), p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    MASK,
+    SEED,
+    OUT,
+    LSE,
+    CU_Q,
+    CU_K,  # tensors; MASK/SEED/CU_* may be dummies (see HAS_*)
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,  # q (B, Hq, Sq, D); varlen: stride_qb = 0
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,  # k (B, Hkv, Sk, D)
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,  # v (B, Hkv, Sk, D)
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,  # mask, 0 on broadcast dims
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,  # out like q
+    stride_lb,
+    stride_lh,
+    stride_lm,  # logsumexp (B, Hq, Sq) fp32
+    H,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,  # heads of q, Hq // Hkv, sequence lengths (dense)
+    qk_scale,
+    dropout_p,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        seqlen_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        seqlen_k = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        seqlen_q = SEQ_Q
+        k_start = 0
+        seqlen_k = SEQ_K
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    diag = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (
+        Q
+        + b.to(tl.int64) * stride_qb
+        + h * stride_qh
+        + (q_start + offs_m[:, None]).to(tl.int64) * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    k_ptrs = (
+        K
+        + b.to(tl.int64) * stride_kb
+        + hk * stride_kh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_kn
+        + offs_d[None, :] * stride_kd
+    )
+    v_ptrs = (
+        V
+        + b.to(tl.int64) * stride_vb
+        + hk * stride_vh
+        + (k_start + offs_n[:, None]).to(tl.int64) * stride_vn
+        + offs_d[None, :] * stride_vd
+    )
+    mask_ptrs = (
+        MASK
+        + b.to(tl.int64) * stride_mb
+        + h * stride_mh
+        + offs_m[:, None].to(tl.int64) * stride_mm
+        + offs_n[None, :] * stride_mn
+    )
+    row_ok = offs_m[:, None] < seqlen_q
+    q = tl.load(q_ptrs, mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+
+    # Key blocks: [lo, full_lo) and [full_hi, hi) need element masks; [full_lo, full_hi) do not.
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + diag - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - window_left, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M - 1 + diag + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(full_hi, ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bh = pid_bh
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        lo,
+        full_lo,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        1,
+    )
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_lo,
+        full_hi,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        NUM_STAGES,
+    )
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_ptrs,
+        v_ptrs,
+        mask_ptrs,
+        seed,
+        stride_kn,
+        stride_vn,
+        stride_mn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        seqlen_k,
+        diag,
+        window_left,
+        window_right,
+        qk_scale,
+        dropout_p,
+        bh,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        HAS_MASK,
+        MASK_IS_BOOL,
+        HAS_DROPOUT,
+        HAS_LEFT,
+        HAS_RIGHT,
+        1,
+    )
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = (
+        OUT
+        + b.to(tl.int64) * stride_ob
+        + h * stride_oh
+        + (q_start + offs_m[:, None]).to(tl.int64) * stride_om
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))
+    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + offs_m) * stride_lm
+    tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def _mask_args(attn_mask, dummy):
+    if attn_mask is None:
+        return dummy, (0, 0, 0, 0), False, False
+    strides = tuple(0 if attn_mask.shape[d] == 1 else attn_mask.stride(d) for d in range(4))
+    return attn_mask, strides, True, attn_mask.dtype == torch.bool
+
+
+def _launch(
+    q,
+    k,
+    v,
+    attn_mask,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    out,
+    lse,
+    q_strides,
+    k_strides,
+    v_strides,
+    o_strides,
+    l_strides,
+    B,
+    H,
+    Hkv,
+    seq_q,
+    seq_k,
+    max_seqlen_q,
+    cu_q,
+    cu_k,
+    causal_hint,
+    config,
+    launch,
+):
+    D = q.shape[-1]
+    block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, config)
+    mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, q)
+    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
+    launch(_attention_fwd_kernel)[grid](
+        q,
+        k,
+        v,
+        mask_t,
+        seed if seed is not None else q,
+        out,
+        lse,
+        cu_q if cu_q is not None else q,
+        cu_k if cu_k is not None else q,
+        *q_strides,
+        *k_strides,
+        *v_strides,
+        *m_strides,
+        *o_strides,
+        *l_strides,
+        H,
+        H // Hkv,
+        seq_q,
+        seq_k,
+        scale * LOG2E,
+        dropout_p,
+        window_left,
+        window_right,
+        HEAD_DIM=D,
+        BLOCK_D=max(triton.next_power_of_2(D), 16),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_MASK=has_mask,
+        MASK_IS_BOOL=mask_is_bool,
+        HAS_DROPOUT=dropout_p > 0.0,
+        IS_VARLEN=cu_q is not None,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        NUM_STAGES=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def attention_forward_launch(
+    q,
+    k,
+    v,
+    attn_mask,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    out,
+    lse,
+    *,
+    config=None,
+    launch=wrap_triton,
+):
+    """Fill out (B, Hq, Sq, D) and lse (B, Hq, Sq) for (B, H, S, D) inputs of any strides."""
+    B, H, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    _launch(
+        q,
+        k,
+        v,
+        attn_mask,
+        seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        out,
+        lse,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out.stride(),
+        lse.stride(),
+        B,
+        H,
+        Hkv,
+        Sq,
+        Sk,
+        Sq,
+        None,
+        None,
+        window_right == 0,
+        config,
+        launch,
+    )
+
+
+def attention_varlen_forward_launch(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seed,
+    dropout_p,
+    scale,
+    window_left,
+    window_right,
+    bottom_right,
+    out,
+    lse,
+    *,
+    config=None,
+    launch=wrap_triton,
+):
+    """Packed (T, H, D) sequences: batch b is rows cu[b]:cu[b+1]; lse is (H, Tq)."""
+    _, H, _ = q.shape
+    Hkv = k.shape[1]
+    B = cu_q.shape[0] - 1
+
+    def bhsd(t):  # (T, H, D) strides seen as (B, H, S, D) with no batch stride
+        return (0, t.stride(1), t.stride(0), t.stride(2))
+
+    _launch(
+        q,
+        k,
+        v,
+        None,
+        seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        out,
+        lse,
+        bhsd(q),
+        bhsd(k),
+        bhsd(v),
+        bhsd(out),
+        (0, lse.stride(0), lse.stride(1)),
+        B,
+        H,
+        Hkv,
+        0,
+        0,
+        max_seqlen_q,
+        cu_q,
+        cu_k,
+        window_right == 0,
+        config,
+        launch,
+    )
