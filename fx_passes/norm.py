@@ -34,6 +34,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fx_passes._compat import restart_with_specialised_floats
 from fx_passes._match import (
     arg,
     erase_unused,
@@ -177,6 +178,35 @@ def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
     return False
 
 
+# Names of dynamo's float inputs (zf0, ...) that this run of the pass specialised; see rewrite().
+_float_inputs_to_specialise: list[str] = []
+
+
+def _is_scalar(value: object) -> bool:
+    """A Python number, or a node producing one (dynamic=True turns float attributes into SymFloats)."""
+    return is_number(value) or isinstance(value, torch.fx.Node) and isinstance(
+        val(value), (torch.SymFloat, torch.SymInt, float, int))
+
+
+def _constant(value: object, what: str) -> float:
+    """The value of a scalar argument. A SymFloat (dynamo's dynamic=True makes module float attributes
+    like eps and dropout p graph inputs) is specialised: dynamo guards on it, so a change recompiles."""
+    v = val(value) if isinstance(value, torch.fx.Node) else value
+    if is_number(v):
+        return float(v)
+    if isinstance(v, (torch.SymFloat, torch.SymInt)):
+        symbol = getattr(v.node, "_expr", None)
+        try:
+            constant = float(v)
+        except Exception:  # noqa: BLE001 - data-dependent: no value to specialise on
+            pass
+        else:
+            if isinstance(v, torch.SymFloat) and hasattr(symbol, "name"):
+                _float_inputs_to_specialise.append(symbol.name)
+            return constant
+    raise _Miss(f"{what} is not a constant number ({getattr(value, 'name', value)!r})")
+
+
 def _opmath_eps(dtype: torch.dtype) -> float:
     """F.rms_norm's eps=None: the machine epsilon of the type it computes in (fp32 for fp16/bf16)."""
     return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
@@ -216,11 +246,10 @@ def _match_norm_call(node: torch.fx.Node) -> _Core:
     eps = arg(node, 3 if is_rms else 4, "eps", None if is_rms else 1e-5)
     if eps is None and is_rms:
         eps = _opmath_eps(t.dtype)
-    if not is_number(eps):
-        raise _Miss(f"eps is not a constant number ({eps!r})")
+    eps = _constant(eps, "eps")
     upcasts = _walk_upcasts(inp, {node})
     x = upcasts[-1].args[0] if upcasts else inp
-    return _Core(variant, is_rms, x, upcasts, float(eps), weight, bias, node, node)
+    return _Core(variant, is_rms, x, upcasts, eps, weight, bias, node, node)
 
 
 def _denominator(stat: torch.fx.Node):
@@ -229,15 +258,9 @@ def _denominator(stat: torch.fx.Node):
     base, add, eps = stat, None, 0.0
     for user in stat.users:
         other = _other(user, "add", stat)
-        if other is not None:
-            if isinstance(other, torch.fx.Node):
-                t = tensor_meta(other)
-                if t is not None and t.dim() == 0:
-                    raise _Miss(f"eps is a tensor ({other.name}), not a constant number")
-                continue
-            if is_number(other):
-                base, add, eps = user, user, float(other)
-                break
+        if other is not None and _is_scalar(other):
+            base, add, eps = user, user, other
+            break
     for user in base.users:
         if user.args and user.args[0] is base and not user.kwargs:
             if is_op(user, "rsqrt") and len(user.args) == 1:
@@ -291,6 +314,7 @@ def _match_rms(mean: torch.fx.Node) -> _Core | None:
         raise _Miss("the mean of squares has a dtype= argument")
     eps, add, root, is_sqrt = chain
     out, _ = _numerator(root, is_sqrt, lambda v: _same_value(v, y))
+    eps = _constant(eps, "eps")
     inner = {mean.args[0], mean, root} | ({add} if add is not None else set())
     inner |= {a for a in out.args if isinstance(a, torch.fx.Node) and a is not root and a is not y}
     upcasts = _walk_upcasts(y, inner | {out})
@@ -341,6 +365,7 @@ def _match_layer(mean: torch.fx.Node) -> _Core | None:
     if has_dtype:
         raise _Miss("the mean has a dtype= argument")
     out, centered = _numerator(root, is_sqrt, lambda v: any(_same_value(v, s) for s in subs))
+    eps = _constant(eps, "eps")
     inner |= {mean, root, centered} | set(subs) | ({add} if add is not None else set())
     inner.discard(x)
     upcasts = _walk_upcasts(x, inner | {out})
@@ -415,9 +440,7 @@ def _dropout_p(node: torch.fx.Node) -> float:
         inplace = arg(node, 3, "inplace", False)
     if not isinstance(training, bool):
         raise _Miss(f"dropout's training flag is not a constant ({training!r})")
-    if not is_number(p):
-        raise _Miss(f"dropout p is not a constant number ({p!r})")
-    p = float(p) if training else 0.0
+    p = _constant(p, "dropout p") if training else 0.0
     if not 0.0 <= p < 1.0:
         raise _Miss(f"dropout p={p} is outside [0, 1)")
     if inplace and p > 0.0:
@@ -513,7 +536,7 @@ def _fake_result(fn, args, kwargs):
     return result
 
 
-def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> set[torch.fx.Node]:
+def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> tuple[set[torch.fx.Node], str]:
     _check_inner(core)
     _widen_tail(core)
     for w, what in ((core.weight, "weight"), (core.bias, "bias")):
@@ -544,7 +567,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> set[torch.fx.Node]:
     raise first_miss
 
 
-def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> set[torch.fx.Node]:
+def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> tuple[set[torch.fx.Node], str]:
     args, kwargs, return_residual, pattern = plan
     fused = insert_call(graph, fn, args, kwargs, like=core.anchor)
     if return_residual:
@@ -554,15 +577,16 @@ def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> set[torch.fx.N
     else:
         out = fused
     end.replace_all_uses_with(out)
-    record_rewrite(FAMILY, _describe(core, inputs, return_residual), _OP_NAME, core.anchor)
     erase_unused(graph, pattern)
-    return pattern
+    return pattern, _describe(core, inputs, return_residual)
 
 
 def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
         return
+    _float_inputs_to_specialise.clear()
+    decisions = []  # reported once the run is known to stand (see the end)
     anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm") or _is_mean_node(n)]
     done: set[torch.fx.Node] = set()
     for node in anchors:
@@ -582,9 +606,18 @@ def rewrite(graph: torch.fx.Graph) -> None:
                     core = _match_rms(node)
             if core is None:
                 continue
-            done |= _rewrite_one(graph, fn, core)
+            pattern, description = _rewrite_one(graph, fn, core)
+            done |= pattern
+            decisions.append((record_rewrite, (FAMILY, description, _OP_NAME, core.anchor)))
         except _Miss as miss:
-            record_near_miss(FAMILY, core.variant if core is not None else variant, str(miss), node)
+            variant = core.variant if core is not None else variant
+            decisions.append((record_near_miss, (FAMILY, variant, str(miss), node)))
             if core is not None:
                 done |= core.inner
-
+    if _float_inputs_to_specialise:
+        # dynamic=True made a module float (eps, dropout p) a graph input, and the rewrite baked its
+        # value in. Inductor would specialise it anyway and restart dynamo's analysis, running this pass
+        # a second time; restarting now, with the floats marked as constants, keeps the counts honest.
+        restart_with_specialised_floats(_float_inputs_to_specialise)
+    for record, args in decisions:
+        record(*args)

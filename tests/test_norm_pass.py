@@ -1,0 +1,538 @@
+"""The norm family pass (fx_passes/norm.py): [dropout +] [residual add +] LayerNorm / RMSNorm -> one call.
+
+Two levels, as STYLE.md asks: a traced graph whose node targets are checked after the pass, and whole
+models. Most pattern variants run through the rewrite-only backend (the pass, then the rewritten graph as
+plain PyTorch, forward and backward through the op's autograd), which costs a dynamo trace rather than an
+Inductor compile; a handful of models go through `torch.compile(backend="flash", fullgraph=True)`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import flash_backend
+from flash_backend.ops.add_dropout_norm import add_dropout_norm
+from fx_passes import collecting, norm, run_passes
+
+N = 97  # an awkward hidden size on purpose
+EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _rewritten(model, *args, dynamic=None):
+    """Compile with the pass but without Inductor; returns (compiled, report, graphs compiled)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        run_passes(gm.graph)
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    return compiled, graphs
+
+
+def _leaves(args):
+    return [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+
+
+def _outputs(out):
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+
+
+def _assert_same(model, compiled, args, atol=2e-5, rtol=2e-5, grads=True):
+    """Forward (and backward) of compiled equals eager on fresh copies of args."""
+    eager_args, comp_args = _leaves(args), _leaves(args)
+    expected, got = _outputs(model(*eager_args)), _outputs(compiled(*comp_args))
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol)
+    if not grads:
+        return
+    cotangents = [torch.randn_like(e) for e in expected]
+    params = [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
+    inputs = [a for a in eager_args if a.requires_grad]
+    e_grads = torch.autograd.grad(expected, inputs + params, cotangents, allow_unused=True)
+    g_grads = torch.autograd.grad(got, [a for a in comp_args if a.requires_grad] + params, cotangents,
+                                  allow_unused=True)
+    for e, g in zip(e_grads, g_grads, strict=True):
+        assert (e is None) == (g is None)
+        if e is not None:
+            torch.testing.assert_close(g, e, atol=10 * atol, rtol=10 * rtol)
+
+
+def _check_rewrite(model, args, rewrites=1, text=None, **tol):
+    """The pass rewrites `rewrites` subgraphs of model, and the result equals eager in training."""
+    counters.clear()
+    with collecting() as report:
+        compiled, _ = _rewritten(model)
+        _assert_same(model, compiled, args, **tol)
+    assert counters["flash"]["norm"] == rewrites, str(report)
+    assert counters["flash"]["norm_skipped"] == 0, str(report)
+    if text is not None:
+        assert text in str(report), str(report)
+    return report
+
+
+def _check_near_miss(model, args, reason: str):
+    """The candidate is left alone, counted as a near miss, and the explain report names the reason."""
+    counters.clear()
+    report = flash_backend.explain(model, *args, print_report=False)
+    assert counters["flash"]["norm"] == 0, str(report)
+    assert counters["flash"]["norm_skipped"] >= 1, str(report)
+    assert any(reason in d.detail for d in report.near_misses), str(report)
+    return report
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+class Fn(nn.Module):
+    """A module around a function of (module, *inputs), so that parameters get gradients checked too."""
+
+    def __init__(self, fn, weight_shape=(N,), bias=True, dtype=torch.float32):
+        super().__init__()
+        self.fn = fn
+        self.weight = nn.Parameter(torch.randn(weight_shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.randn(weight_shape, dtype=dtype)) if bias else None
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Models as real code writes them
+# --------------------------------------------------------------------------------------------------------
+
+
+class BertSelfOutput(nn.Module):
+    """Post-norm (BERT): LayerNorm(dropout(dense(h)) + input)."""
+
+    def __init__(self, n=N, p=0.0):
+        super().__init__()
+        self.dense = nn.Linear(n, n)
+        self.dropout = nn.Dropout(p)
+        self.LayerNorm = nn.LayerNorm(n, eps=1e-12)
+
+    def forward(self, hidden_states, input_tensor):
+        hidden_states = self.dropout(self.dense(hidden_states))
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm (GPT-2): the sum feeds ln_2 and the next residual add."""
+
+    def __init__(self, n=N, p=0.0):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n), nn.LayerNorm(n)
+        self.attn = nn.Linear(n, n)
+        self.mlp = nn.Sequential(nn.Linear(n, 2 * n), nn.GELU(), nn.Linear(2 * n, n))
+        self.resid_dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        h = x + self.resid_dropout(self.attn(self.ln_1(x)))
+        return h + self.resid_dropout(self.mlp(self.ln_2(h)))
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, n=N, eps=EPS):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(n))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, n=N):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(n), LlamaRMSNorm(n)
+        self.attn = nn.Linear(n, n, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(n, 2 * n, bias=False), nn.SiLU(), nn.Linear(2 * n, n, bias=False))
+
+    def forward(self, x):
+        residual = x
+        h = self.attn(self.input_layernorm(x))
+        h = residual + h
+        residual = h
+        h = self.mlp(self.post_attention_layernorm(h))
+        return residual + h
+
+
+# --------------------------------------------------------------------------------------------------------
+# Level 1: a traced graph, node targets after the pass
+# --------------------------------------------------------------------------------------------------------
+
+
+def _traced(fn, *args):
+    gm = torch.fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(*args)
+    return gm
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_graph_post_norm_becomes_one_call():
+    def post_norm(x, residual, w, b):
+        return F.layer_norm(residual + F.dropout(x, 0.1, True), (N,), w, b, 1e-5)
+
+    args = (_x(2, 5, N), _x(2, 5, N), _x(N), _x(N))
+    gm = _traced(post_norm, *args)
+    norm.rewrite(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert _targets(gm) == [add_dropout_norm], gm.code
+    call = next(n for n in gm.graph.nodes if n.target is add_dropout_norm)
+    x, residual, w, b = (n.name for n in call.args)
+    assert (x, residual, w, b) == ("x", "residual", "w", "b")
+    assert call.kwargs == {"eps": 1e-5, "dropout_p": 0.1, "is_rms_norm": False, "return_residual": False}
+    assert counters["flash"]["norm"] == 1
+
+
+def test_graph_pre_norm_rms_returns_the_residual():
+    def pre_norm(x, residual, w):
+        h = residual + x
+        hs = h.float()
+        hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS)
+        return w * hs.to(h.dtype), h * 2
+
+    args = (_x(3, N), _x(3, N), _x(N))
+    gm = _traced(pre_norm, *args)
+    norm.rewrite(gm.graph)
+    run_passes(gm.graph)  # sorts and recompiles; nothing is left for a second rewrite
+    targets = _targets(gm)
+    assert targets.count(add_dropout_norm) == 1 and targets.count(operator.getitem) == 2, gm.code
+    assert not {"pow", "mean", "float", "to", torch.rsqrt} & set(targets), gm.code
+    call = next(n for n in gm.graph.nodes if n.target is add_dropout_norm)
+    assert call.kwargs["is_rms_norm"] and call.kwargs["return_residual"] and call.kwargs["eps"] == EPS
+    out, doubled = gm(*args)
+    ref_out, ref_doubled = pre_norm(*args)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(doubled, ref_doubled)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Level 2a: pattern variants through the rewrite-only backend (training, p=0: outputs and gradients)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_bert_post_norm_either_operand_order():
+    _check_rewrite(BertSelfOutput(), (_x(2, 7, N), _x(2, 7, N)), text="dropout + residual add + F.layer_norm")
+
+    class Swapped(BertSelfOutput):
+        def forward(self, hidden_states, input_tensor):
+            return self.LayerNorm(input_tensor + self.dropout(self.dense(hidden_states)))
+
+    _check_rewrite(Swapped(), (_x(2, 7, N), _x(2, 7, N)))
+
+
+def test_gpt2_pre_norm_block():
+    report = _check_rewrite(GPT2Block(), (_x(2, 7, N),), rewrites=2)
+    assert sum("pre-norm" in d.variant for d in report.rewrites) == 1, str(report)
+
+
+def test_llama_block():
+    report = _check_rewrite(LlamaBlock(), (_x(2, 7, N),), rewrites=2)
+    assert all("hand-written RMSNorm + weight" in d.variant for d in report.rewrites), str(report)
+
+
+def test_nn_rmsnorm_and_functional_forms():
+    def fn(m, x, r):
+        h = x + r
+        return (nn.functional.rms_norm(h, (N,), m.weight),  # eps=None: finfo eps of the compute type
+                F.rms_norm(x, (N,), eps=1e-5),
+                F.layer_norm(x, (N,), m.weight, m.bias, 1e-6),
+                F.layer_norm(x, (N,), weight=m.weight, eps=1e-3),
+                torch.layer_norm(r, [N], None, m.bias),
+                h)
+
+    report = _check_rewrite(Fn(fn), (_x(3, 4, N), _x(3, 4, N)), rewrites=5)
+    assert "pre-norm" in report.rewrites[0].variant
+    _check_rewrite(nn.RMSNorm(N, eps=1e-5), (_x(5, N),))
+    _check_rewrite(nn.RMSNorm(N, elementwise_affine=False), (_x(5, N),))
+
+
+def test_no_residual_no_affine_and_dropout_only():
+    _check_rewrite(nn.LayerNorm(N, elementwise_affine=False), (_x(4, N),), text="F.layer_norm")
+    _check_rewrite(nn.LayerNorm(N, bias=False), (_x(4, N),))
+    _check_rewrite(Fn(lambda m, x: F.layer_norm(F.dropout(x, 0.0), (N,))), (_x(4, N),), text="dropout")
+
+
+def test_eval_mode_rewrites_to_the_p0_form():
+    m = BertSelfOutput(p=0.3).eval()
+    with collecting() as report:
+        compiled, _ = _rewritten(m)
+        _assert_same(m, compiled, (_x(2, 5, N), _x(2, 5, N)), grads=False)
+    assert counters["flash"]["norm"] == 1, str(report)
+
+
+def _llama_variant(cast, square, scale, weight):
+    def fn(m, x):
+        dt = x.dtype
+        hs = {"to": lambda t: t.to(torch.float32), "float": lambda t: t.float(), "none": lambda t: t}[cast](x)
+        sq = {"pow": lambda t: t.pow(2), "mul": lambda t: t * t, "square": torch.square,
+              "op": lambda t: t**2}[square](hs)
+        var = sq.mean(-1, keepdim=True) if square != "op" else torch.mean(sq, dim=-1, keepdim=True)
+        if scale == "rsqrt":
+            hs = hs * torch.rsqrt(var + m.eps)
+        elif scale == "sqrt":
+            hs = hs / torch.sqrt(var + m.eps)
+        else:
+            hs = (var + m.eps).rsqrt() * hs
+        hs = hs.to(dt)
+        return {"left": lambda: m.weight * hs, "right": lambda: hs * m.weight, "none": lambda: hs}[weight]()
+
+    m = Fn(fn, bias=False)
+    m.eps = EPS
+    return m
+
+
+@pytest.mark.parametrize("cast,square,scale,weight", [
+    ("to", "pow", "rsqrt", "left"),
+    ("float", "mul", "sqrt", "right"),
+    ("none", "square", "rsqrt_method", "none"),
+    ("float", "op", "rsqrt", "right"),
+    ("to", "mul", "rsqrt_method", "left"),
+    ("none", "pow", "sqrt", "left"),
+])
+def test_llama_rmsnorm_spellings(cast, square, scale, weight):
+    text = "hand-written RMSNorm" + (" + weight" if weight != "none" else "")
+    _check_rewrite(_llama_variant(cast, square, scale, weight), (_x(3, 5, N),), text=text)
+
+
+def test_llama_rmsnorm_bf16_matches_eager_dtype():
+    # bf16 weight: the op returns bf16 like eager. fp32 weight: eager promotes to fp32 after the
+    # downcast; the upcast stays in the graph and the op computes in fp32.
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        m = LlamaRMSNorm().to(weight_dtype)
+        _check_rewrite(m, (_x(4, N, dtype=torch.bfloat16),), atol=2e-2, rtol=2e-2)
+
+
+def _hand_ln(var_form, scale, affine):
+    def fn(m, x):
+        u = x.mean(-1, keepdim=True)
+        if var_form == "sq":
+            s = (x - u).pow(2).mean(-1, keepdim=True)
+        elif var_form == "unbiased_false":
+            s = x.var(-1, unbiased=False, keepdim=True)
+        elif var_form == "correction":
+            s = torch.var(x, dim=-1, correction=0, keepdim=True)
+        else:
+            d = x - u
+            s = (d * d).mean(dim=-1, keepdim=True)
+        if scale == "sqrt":
+            y = (x - u) / torch.sqrt(s + 1e-5)
+        else:
+            y = (x - u) * torch.rsqrt(s + 1e-5)
+        if affine == "wb":
+            return m.weight * y + m.bias
+        if affine == "bw":
+            return m.bias + y * m.weight
+        return y
+
+    return Fn(fn)
+
+
+@pytest.mark.parametrize("var_form,scale,affine", [
+    ("sq", "sqrt", "wb"),
+    ("unbiased_false", "rsqrt", "bw"),
+    ("correction", "sqrt", "none"),
+    ("mul", "rsqrt", "wb"),
+])
+def test_hand_written_layernorm_spellings(var_form, scale, affine):
+    text = "hand-written LayerNorm" + (" + weight + bias" if affine != "none" else "")
+    _check_rewrite(_hand_ln(var_form, scale, affine), (_x(2, 3, N),), text=text, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_dtype_residual_promotes_like_eager():
+    # bf16 x + fp32 residual is an fp32 sum; the op promotes the same way, and so does its output.
+    def fn(m, x, r):
+        h = F.dropout(x, 0.0) + r
+        return F.layer_norm(h, (N,), m.weight, m.bias), h
+
+    _check_rewrite(Fn(fn), (_x(3, N, dtype=torch.bfloat16), _x(3, N)), text="pre-norm")
+
+
+@pytest.mark.parametrize("block", [GPT2Block, LlamaBlock])
+def test_dynamic_shapes_do_not_recompile(block):
+    # dynamic=True also turns module float attributes (eps, dropout p) into SymFloat graph inputs: the
+    # pass specialises them, with a guard, so that changing one recompiles rather than goes stale.
+    m = block()
+    compiled, graphs = _rewritten(m, dynamic=True)
+    for b, s in ((2, 5), (3, 7), (4, 11)):
+        x = _x(b, s, N)
+        torch.testing.assert_close(compiled(x), m(x), atol=2e-5, rtol=2e-5)
+    assert len(graphs) == 1
+    assert counters["flash"]["norm"] == 2
+    if block is GPT2Block:
+        m.ln_2.eps = 0.5
+        x = _x(2, 5, N)
+        torch.testing.assert_close(compiled(x), m(x), atol=2e-5, rtol=2e-5)
+        assert len(graphs) == 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# Near misses: left alone, counted, and explained
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_near_miss_normalised_over_more_than_the_last_dim():
+    _check_near_miss(Fn(lambda m, x: F.layer_norm(x, (5, N))), (_x(2, 5, N),), "last 2 dims")
+
+    def over_dim1(m, x):
+        var = x.pow(2).mean(1, keepdim=True)
+        return x * torch.rsqrt(var + EPS)
+
+    _check_near_miss(Fn(over_dim1), (_x(2, 5, N),), "not only the last dim")
+
+
+def test_near_miss_unbiased_variance():
+    def fn(m, x):
+        u = x.mean(-1, keepdim=True)
+        return (x - u) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+
+    _check_near_miss(Fn(fn), (_x(3, N),), "unbiased")
+
+
+def test_near_miss_dropout_output_with_other_users():
+    def fn(m, x, r):
+        d = F.dropout(x, 0.1, True)
+        return F.layer_norm(d + r, (N,)), d
+
+    _check_near_miss(Fn(fn), (_x(3, N), _x(3, N)), "dropout output")
+
+
+def test_near_miss_inplace_dropout_whose_input_has_other_users():
+    def fn(m, x, r):
+        y = x * 2
+        d = F.dropout(y, 0.1, True, inplace=True)
+        return F.layer_norm(d + r, (N,)), y
+
+    _check_near_miss(Fn(fn), (_x(3, N), _x(3, N)), "inplace dropout")
+
+
+def test_near_miss_weight_not_of_shape_n():
+    def fn(m, x):
+        hs = x.float()
+        hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS)
+        return m.weight * hs.to(x.dtype)
+
+    _check_near_miss(Fn(fn, weight_shape=(1, 1, N), bias=False), (_x(2, 3, N),), "not (97,)")
+
+
+def test_near_miss_dtype_the_op_cannot_take():
+    _check_near_miss(nn.LayerNorm(N, dtype=torch.float64), (_x(3, N, dtype=torch.float64),), "float64")
+
+
+def test_near_miss_mean_without_keepdim():
+    def fn(m, x):
+        var = x.pow(2).mean(-1)
+        return x * torch.rsqrt(var + EPS)[..., None]
+
+    _check_near_miss(Fn(fn), (_x(3, N),), "keepdim")
+
+
+def test_near_miss_intermediate_with_other_users():
+    def fn(m, x):
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        return (x - u) * torch.rsqrt(s + 1e-5), s
+
+    _check_near_miss(Fn(fn), (_x(3, N),), "users outside the norm")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Level 2b: end to end with torch.compile(backend="flash") (Inductor compiles the rest)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _compile_flash(model, **kw):
+    return torch.compile(model, backend="flash", fullgraph=True, **kw)
+
+
+def test_e2e_bert_post_norm_training_and_inference():
+    m = BertSelfOutput()
+    args = (_x(2, 9, N), _x(2, 9, N))
+    compiled = _compile_flash(m)
+    _assert_same(m, compiled, args, atol=1e-4, rtol=1e-4)
+    assert counters["flash"]["norm"] == 1
+    m.eval()
+    with torch.no_grad():
+        _assert_same(m, compiled, args, atol=1e-4, rtol=1e-4, grads=False)
+    assert counters["flash"]["norm"] == 2  # the eval graph is a second compile, rewritten too
+
+
+def test_e2e_gpt2_pre_norm_block_training():
+    m = GPT2Block()
+    _assert_same(m, _compile_flash(m), (_x(2, 9, N),), atol=1e-4, rtol=1e-4)
+    assert counters["flash"]["norm"] == 2
+
+
+def test_e2e_llama_block_bf16():
+    m = LlamaBlock().to(torch.bfloat16)
+    x = _x(2, 9, N, dtype=torch.bfloat16)
+    got = _compile_flash(m)(x)
+    assert counters["flash"]["norm"] == 2
+    expected = m(x)
+    reference = m.float()(x.float())
+    assert got.dtype == expected.dtype == torch.bfloat16
+    eager_err = (expected.float() - reference).abs().max().item()
+    flash_err = (got.float() - reference).abs().max().item()
+    assert flash_err <= 2 * eager_err + 1e-2, (flash_err, eager_err)
+
+
+def test_e2e_dropout_statistics_and_gradient():
+    # pre-norm with p > 0: the residual output shows the mask (zero or x / (1 - p)), the norm output is
+    # the LayerNorm of that residual, and x's gradient is zero exactly where x was dropped.
+    p = 0.25
+
+    class PreNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(N)
+
+        def forward(self, x, r):
+            h = r + F.dropout(x, p, self.training)
+            return self.ln(h), h
+
+    m = PreNorm()
+    x, r = _x(64, N, dtype=torch.float32).requires_grad_(), _x(64, N)
+    out, h = _compile_flash(m)(x, r)
+    assert counters["flash"]["norm"] == 1
+    delta = (h - r).detach()
+    dropped = delta == 0
+    assert abs(dropped.float().mean().item() - p) < 0.03
+    torch.testing.assert_close(delta[~dropped], (x / (1 - p)).detach()[~dropped])
+    torch.testing.assert_close(out, m.ln(h), atol=1e-5, rtol=1e-5)
+    (out * torch.randn_like(out)).sum().backward()
+    assert (x.grad[dropped] == 0).all() and (x.grad[~dropped] != 0).all()
+
+
+def test_e2e_dynamic_shapes_no_recompile():
+    m = nn.Sequential(nn.Linear(N, N), nn.Dropout(0.0), nn.LayerNorm(N))
+    compiled = _compile_flash(m, dynamic=True)
+    for b, s in ((2, 5), (3, 8)):
+        x = _x(b, s, N)
+        torch.testing.assert_close(compiled(x), m(x), atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["flash"]["norm"] == 1
