@@ -21,6 +21,27 @@ try:
 except ImportError:  # pragma: no cover - older layout
     from torch._dynamo.utils import detect_fake_mode  # type: ignore[no-redef]
 
+try:
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+except ImportError:  # pragma: no cover - a torch without dynamic float inputs
+    TensorifyScalarRestartAnalysis = TensorifyState = None
+
+
+def restart_with_specialised_floats(names) -> None:
+    """Ask dynamo to retrace with these float inputs (symbols such as 'zf0') as constants.
+
+    A backend that bakes in the value of a dynamic float input (dynamic=True turns module float attributes
+    into graph inputs) raises this, as Inductor's tensorify pass does; without the mechanism, the guard
+    the caller took on the value is enough and nothing is raised.
+    """
+    if TensorifyState is None:
+        return
+    for name in names:
+        TensorifyState.specialize(name)
+    raise TensorifyScalarRestartAnalysis
+
+
 __all__ = [
     "CustomGraphPass",
     "compile_fx",
@@ -29,5 +50,6 @@ __all__ = [
     "get_hash_for_files",
     "inductor_config",
     "list_mode_options",
+    "restart_with_specialised_floats",
     "stable_topological_sort",
 ]
