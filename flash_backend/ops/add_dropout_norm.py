@@ -31,6 +31,10 @@ MAX_N = 65536
 _MAX_FUSED_N_FWD = 16384
 _MAX_FUSED_N_BWD = 8192
 _MIN_BLOCK_N = 16
+# Launch shape: elements of a row per thread, and warps per SM the backward's persistent programs fill.
+_FWD_ELEMS_PER_THREAD = 16
+_BWD_ELEMS_PER_THREAD = 8
+_BWD_WARPS_PER_SM = 32
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
 # Philox-4x32 constants, as in triton.language.random.philox_impl.
@@ -367,9 +371,9 @@ def _add_dropout_norm_bwd_kernel(
     M,
     N,
     n_quads,
-    rows_per_program,
     dropout_threshold,
     dropout_scale,
+    ROWS_PER_PROGRAM: tl.constexpr,  # a power of two; rows past M are masked off
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -380,21 +384,18 @@ def _add_dropout_norm_bwd_kernel(
     STORE_DRESIDUAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start = pid * ROWS_PER_PROGRAM
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        r = row_start
-        # A while loop: the interpreter (numpy 2) cannot run range() over a runtime bound.
-        while r < row_end:
-            row = r.to(tl.int64)
+        for i in range(ROWS_PER_PROGRAM):
+            r = row_start + i
+            row = tl.minimum(r, M - 1).to(tl.int64)
             mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
             rstd = tl.load(RSTD + row)
-            mask = cols < N
+            mask = (cols < N) & (r < M)
             dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
                                             stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
             if HAS_WEIGHT:
@@ -417,16 +418,14 @@ def _add_dropout_norm_bwd_kernel(
                 keep = _dropout_keep(seed, row, 0, n_quads, dropout_threshold, BLOCK_N)
                 dh = tl.where(keep, dh * dropout_scale, 0.0)
             tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
-            r += 1
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
         if HAS_BIAS:
             tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
     else:
-        r = row_start
-        # A while loop: the interpreter (numpy 2) cannot run range() over a runtime bound.
-        while r < row_end:
-            row = r.to(tl.int64)
+        for i in range(ROWS_PER_PROGRAM):
+            r = row_start + i
+            row = tl.minimum(r, M - 1).to(tl.int64)
             mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
             rstd = tl.load(RSTD + row)
             # Pass 1: the two row reductions.
@@ -434,7 +433,7 @@ def _add_dropout_norm_bwd_kernel(
             s2 = 0.0
             for c in range(NUM_CHUNKS):
                 cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = cols < N
+                mask = (cols < N) & (r < M)
                 dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
                                                 stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
                 s1 += tl.sum(xhat * wdy, axis=0)
@@ -445,7 +444,7 @@ def _add_dropout_norm_bwd_kernel(
             for c in range(NUM_CHUNKS):
                 col_start = c * BLOCK_N
                 cols = col_start + tl.arange(0, BLOCK_N)
-                mask = cols < N
+                mask = (cols < N) & (r < M)
                 dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
                                                 stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
                 if HAS_WEIGHT:
@@ -468,7 +467,6 @@ def _add_dropout_norm_bwd_kernel(
                     keep = _dropout_keep(seed, row, col_start, n_quads, dropout_threshold, BLOCK_N)
                     dh = tl.where(keep, dh * dropout_scale, 0.0)
                 tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
-            r += 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -520,7 +518,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
         n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
-        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, 16),
+        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD),
     )
     return out, residual_out, mean, rstd
 
@@ -528,7 +526,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
 def _num_programs(device: torch.device, m: int, num_warps: int) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return min(m, sms * max(1, 32 // num_warps))
+        return min(m, sms * max(1, _BWD_WARPS_PER_SM // num_warps))
     return min(m, 4)
 
 
@@ -547,9 +545,10 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     dx2 = dx.view(-1, n)
     dres2 = dresidual.view(-1, n) if has_residual else dx2
     block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD)
-    num_warps = _num_warps(block_n, 8)
+    num_warps = _num_warps(block_n, _BWD_ELEMS_PER_THREAD)
     programs = _num_programs(h.device, m, num_warps)
-    rows_per_program = triton.cdiv(m, programs)
+    # A power of two, so that varying M compiles only a few variants.
+    rows_per_program = triton.next_power_of_2(triton.cdiv(m, programs))
     programs = triton.cdiv(m, rows_per_program)
     alloc = torch.zeros if num_chunks > 1 else torch.empty
     dw_partial = alloc((programs, n) if weight is not None else (0,), dtype=torch.float32, device=h.device)
@@ -561,9 +560,8 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
         dx2, dres2, dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
         h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
-        dres2.stride(0), m, n, triton.cdiv(n, 4), rows_per_program, _dropout_threshold(dropout_p),
-        1.0 / (1.0 - dropout_p),
-        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
+        dres2.stride(0), m, n, triton.cdiv(n, 4), _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
     )
