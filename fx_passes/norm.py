@@ -201,8 +201,8 @@ def _constant(value: object, what: str) -> float:
         except Exception:  # noqa: BLE001 - data-dependent: no value to specialise on
             pass
         else:
-            if isinstance(v, torch.SymFloat) and hasattr(symbol, "name"):
-                _float_inputs_to_specialise.append(symbol.name)
+            if isinstance(v, torch.SymFloat) and symbol is not None:
+                _float_inputs_to_specialise.extend(str(s) for s in symbol.free_symbols)
             return constant
     raise _Miss(f"{what} is not a constant number ({getattr(value, 'name', value)!r})")
 
@@ -215,6 +215,13 @@ def _opmath_eps(dtype: torch.dtype) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Norm cores
 # --------------------------------------------------------------------------------------------------------
+
+
+def _upcast_root(node: object) -> object:
+    """node with its exact (precision-keeping) casts stripped: x for x.float().to(torch.float64)."""
+    while _is_cast(node) and tensor_meta(node).dtype.itemsize >= tensor_meta(node.args[0]).dtype.itemsize:
+        node = node.args[0]
+    return node
 
 
 def _walk_upcasts(x: torch.fx.Node, pattern: set[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -313,10 +320,12 @@ def _match_rms(mean: torch.fx.Node) -> _Core | None:
     if has_dtype:
         raise _Miss("the mean of squares has a dtype= argument")
     eps, add, root, is_sqrt = chain
-    out, _ = _numerator(root, is_sqrt, lambda v: _same_value(v, y))
+    # T5 squares x.float() but scales x itself: the same values, as upcasts are exact.
+    out, value = _numerator(root, is_sqrt, lambda v: _same_value(v, y) or _upcast_root(v) is _upcast_root(y))
     eps = _constant(eps, "eps")
     inner = {mean.args[0], mean, root} | ({add} if add is not None else set())
-    inner |= {a for a in out.args if isinstance(a, torch.fx.Node) and a is not root and a is not y}
+    if value is not y and value is not _upcast_root(y):
+        inner.add(value)  # a second spelling of y's cast
     upcasts = _walk_upcasts(y, inner | {out})
     x = upcasts[-1].args[0] if upcasts else y
     return _Core(variant, True, x, upcasts, eps, None, None, out, mean, inner)

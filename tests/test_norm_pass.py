@@ -328,6 +328,46 @@ def test_llama_rmsnorm_bf16_matches_eager_dtype():
         _check_rewrite(m, (_x(4, N, dtype=torch.bfloat16),), atol=2e-2, rtol=2e-2)
 
 
+class T5LayerNorm(nn.Module):
+    """T5: squares x.float() but scales x itself, downcasts only for half-precision weights."""
+
+    def __init__(self, n=N, eps=EPS):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(n))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma: the weight is stored as an offset from one, the norm is computed in fp32."""
+
+    def __init__(self, n=N, eps=EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(0.1 * torch.randn(n))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_t5_and_gemma_rmsnorm(dtype):
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    for module in (T5LayerNorm, GemmaRMSNorm):
+        _check_rewrite(module().to(dtype), (_x(3, 5, N, dtype=dtype),), text="RMSNorm + weight", **tol)
+
+
 def _hand_ln(var_form, scale, affine):
     def fn(m, x):
         u = x.mean(-1, keepdim=True)
