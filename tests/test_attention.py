@@ -218,3 +218,238 @@ def test_errors_name_the_argument(call, match):
     q, k, v = _qkv(1, 4, 4, 8, 8, 16)
     with pytest.raises((ValueError, TypeError), match=match):
         call(q, k, v)
+
+
+# ------------------------------------------------------------------------- Triton kernels, interpreter
+
+
+@pytest.fixture
+def interpreter():
+    """Run the kernels under TRITON_INTERPRET=1 on CPU (conftest sets it when there is no GPU)."""
+    import os
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (CPU-only machine)")
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        # NumPy >= 2.4 refuses int() of the interpreter's 1-element scalar arrays (loop bounds).
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    yield
+    interp._patch_lang_tensor = original
+
+
+INTERPRET_CASES = {
+    "gqa_odd": dict(Hq=2, Hkv=1, Sq=37, Sk=45, D=40),
+    "causal": dict(Sq=37, Sk=45, wr=0),
+    "causal_bottom_right": dict(Sq=45, Sk=37, wr=0, br=True),
+    "window": dict(Sq=64, Sk=64, wl=10, wr=3),
+    "bias_grad": dict(Sq=37, Sk=45, bias=True),
+    "bool_mask_empty_rows": dict(Sq=37, Sk=45, bool_mask=True),
+    "dropout_causal_gqa": dict(Hq=4, Hkv=2, Sq=37, Sk=45, wr=0, p=0.3),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(INTERPRET_CASES))
+def test_kernels_under_interpreter(interpreter, case):
+    from flash_backend.kernels.attention_bwd import attention_backward_launch
+    from flash_backend.kernels.attention_fwd import attention_forward_launch
+
+    c = dict(Hq=2, Hkv=2, D=32, wl=-1, wr=-1, br=False, p=0.0, bias=False, bool_mask=False)
+    c.update(INTERPRET_CASES[case])
+    q, k, v = _qkv(1, c["Hq"], c["Hkv"], c["Sq"], c["Sk"], c["D"], dtype=torch.float16)
+    mask = None
+    if c["bias"]:
+        mask = torch.randn(1, c["Hq"], c["Sq"], c["Sk"], dtype=torch.float16)
+    if c["bool_mask"]:
+        mask = torch.rand(1, 1, c["Sq"], c["Sk"]) > 0.5
+        mask[..., 3, :] = False
+    seed = torch.randint(0, 2**62, (1,)) if c["p"] else None
+    args = (mask, seed, c["p"], 0.3, c["wl"], c["wr"], c["br"])
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    attention_forward_launch(q, k, v, *args, out, lse, config=(32, 16, 4, 2))
+    ref_out, ref_lse = attention_reference(q, k, v, *args)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    dout = torch.randn_like(q)
+    grads = [torch.empty_like(t) for t in (q, k, v)] + [torch.empty_like(mask) if c["bias"] else None]
+    attention_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
+                              config=((16, 32, 4, 2), (32, 16, 4, 2)))
+    ref = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, *args, compute_dbias=c["bias"])
+    for got, want in zip(grads, ref, strict=True):
+        if want is not None:
+            torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+CUDA_CASES = {
+    "plain_d64": dict(D=64),
+    "causal_d128": dict(D=128, is_causal=True),
+    "causal_bottom_right": dict(D=64, Sq=300, Sk=1000, is_causal=True, align="bottom_right"),
+    "causal_top_left_long_q": dict(D=64, Sq=1000, Sk=300, is_causal=True),
+    "window": dict(D=64, window=(100, 20)),
+    "window_causal_bottom_right": dict(D=128, Sq=777, Sk=1000, is_causal=True, window=(64, -1),
+                                       align="bottom_right"),
+    "gqa_d128": dict(D=128, Hq=8, Hkv=2, is_causal=True),
+    "d256": dict(D=256, Sq=513, Sk=513),
+    "d72_odd": dict(D=72, Sq=97, Sk=113),
+    "d8": dict(D=8, Sq=97, Sk=1000),
+    "bias_grad": dict(D=64, mask="bias"),
+    "bias_broadcast_grad": dict(D=64, mask="bias_b1"),
+    "bool_mask": dict(D=128, mask="bool"),
+    "transposed_layout": dict(D=128, bshd=True, is_causal=True),
+}
+
+
+def _lowp_error(fn_lowp, fn_ref, got):
+    return (fn_lowp - fn_ref).abs().max().item(), (got.float() - fn_ref).abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_cuda_forward_and_gradients(case, dtype):
+    c = dict(B=2, Hq=4, Hkv=4, Sq=1000, Sk=1000, is_causal=False, align="top_left", window=(-1, -1),
+             mask=None, bshd=False)
+    c.update(CUDA_CASES[case])
+    dev = "cuda"
+    if c["bshd"]:
+        q = torch.randn(c["B"], c["Sq"], c["Hq"], c["D"], device=dev, dtype=dtype).transpose(1, 2)
+        k = torch.randn(c["B"], c["Sk"], c["Hkv"], c["D"], device=dev, dtype=dtype).transpose(1, 2)
+        v = torch.randn(c["B"], c["Sk"], c["Hkv"], c["D"], device=dev, dtype=dtype).transpose(1, 2)
+    else:
+        q, k, v = _qkv(c["B"], c["Hq"], c["Hkv"], c["Sq"], c["Sk"], c["D"], dtype=dtype, device=dev)
+    mask = None
+    if c["mask"] == "bias":
+        mask = torch.randn(c["B"], c["Hq"], c["Sq"], c["Sk"], device=dev, dtype=dtype)
+    elif c["mask"] == "bias_b1":
+        mask = torch.randn(1, c["Hq"], 1, c["Sk"], device=dev, dtype=dtype)
+    elif c["mask"] == "bool":
+        mask = torch.rand(c["B"], 1, c["Sq"], c["Sk"], device=dev) > 0.3
+        mask[:, :, 7] = False
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if mask is not None and mask.is_floating_point():
+        leaves.append(mask.detach().requires_grad_())
+    kw = dict(is_causal=c["is_causal"], causal_alignment=c["align"], window_size=c["window"])
+    out = flash_attention(*leaves[:3], attn_mask=leaves[3] if len(leaves) > 3 else mask, **kw)
+    if c["bshd"]:
+        assert out.stride() == q.stride()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    right = 0 if c["is_causal"] else c["window"][1]
+    ref_args = (None, 0.0, None, c["window"][0], right, c["align"] == "bottom_right")
+
+    def ref(upcast):
+        xs = [t.detach().requires_grad_() for t in leaves]
+        m = xs[3] if len(xs) > 3 else mask
+        o, _ = attention_reference(*(x.float() if upcast else x for x in xs[:3]),
+                                   m.float() if (upcast and m is not None and m.is_floating_point()) else m,
+                                   *ref_args, upcast=upcast)
+        return o, torch.autograd.grad(o, xs, dout.float() if upcast else dout)
+
+    ref_out, ref_grads = ref(True)
+    low_out, low_grads = ref(False)
+    names = ["out", "dq", "dk", "dv", "dbias"][: len(grads) + 1]
+    floor = 2e-3 if dtype == torch.float16 else 1e-2
+    for name, got, want, low in zip(names, (out, *grads), (ref_out, *ref_grads), (low_out, *low_grads),
+                                    strict=True):
+        err_low, err = _lowp_error(low.float(), want.float(), got)
+        assert torch.isfinite(got).all(), name
+        assert err <= 2 * err_low + floor, f"{name}: err {err:.3g} vs torch low-precision {err_low:.3g}"
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_matches_reference():
+    lens_q, lens_k = [300, 1, 700, 129], [400, 17, 700, 64]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    xs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = flash_backend.ops.attention.attention_varlen_reference(*xs, cu_q, cu_k, window_right=0,
+                                                                   bottom_right=True)[0]
+    ref_grads = torch.autograd.grad(ref, xs, dout.float())
+    for got, want in zip((out, *grads), (ref, *ref_grads), strict=True):
+        assert (got.float() - want).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dropout_matches_reference_mask(dtype):
+    q, k, v = _qkv(2, 4, 2, 333, 517, 64, dtype=dtype, device="cuda")
+    seed = torch.randint(0, 2**62, (1,), device="cuda")
+    out, lse = torch.ops.flash.attention_forward(q, k, v, None, seed, 0.2, 0.125, -1, 0, False)
+    ref_out, ref_lse = attention_reference(q, k, v, None, seed, 0.2, 0.125, -1, 0, False)
+    low_out, _ = attention_reference(q, k, v, None, seed, 0.2, 0.125, -1, 0, False, upcast=False)
+    err_low = (low_out.float() - ref_out.float()).abs().max()
+    assert (out.float() - ref_out.float()).abs().max() <= 2 * err_low + 1e-2
+    dout = torch.randn_like(out)
+    grads = torch.ops.flash.attention_backward(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False,
+                                               False, False)[:3]
+    ref = attention_backward_reference(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False)[:3]
+    for got, want in zip(grads, ref, strict=True):
+        assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-2
+    keep = torch.stack([flash_attention(q, k, v, dropout_p=0.3) for _ in range(50)]).float().mean(0)
+    assert (keep - flash_attention(q, k, v).float()).abs().mean() < 0.02
+
+
+@pytest.mark.cuda
+def test_cuda_fully_masked_rows_and_determinism():
+    q, k, v = _qkv(2, 4, 4, 257, 300, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    mask = torch.rand(2, 4, 257, 300, device="cuda") > 0.5
+    mask[:, :, 100:140] = False
+    out = flash_attention(q, k, v, attn_mask=mask)
+    assert (out[:, :, 100:140] == 0).all()
+    dout = torch.randn_like(out)
+    g1 = torch.autograd.grad(out, (q, k, v), dout)
+    g2 = torch.autograd.grad(flash_attention(q, k, v, attn_mask=mask), (q, k, v), dout)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_cuda_long_sequence_memory():
+    S = 32768
+    q, k, v = _qkv(1, 4, 4, S, S, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = flash_attention(q, k, v, is_causal=True)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 20 * q.numel() * q.element_size(), f"peak {peak / 2**20:.0f} MiB: something is O(S^2)"
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.cuda
+def test_cuda_opcheck_and_compile():
+    q, k, v = _qkv(2, 4, 2, 197, 213, 64, dtype=torch.bfloat16, device="cuda")
+    mask = torch.randn(1, 4, 197, 213, device="cuda", dtype=torch.bfloat16)
+    seed = torch.randint(0, 2**62, (1,), device="cuda")
+    args = (q, k, v, mask, seed, 0.1, 0.125, -1, 0, True)
+    opcheck(torch.ops.flash.attention_forward, args)
+    out, lse = torch.ops.flash.attention_forward(*args)
+    opcheck(torch.ops.flash.attention_backward,
+            (torch.randn_like(out), q, k, v, out, lse, *args[3:], True, True))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    f = lambda q, k, v: flash_attention(q, k, v, is_causal=True)
+    got = torch.compile(f, fullgraph=True)(*leaves)
+    want = f(*leaves)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g), strict=True):
+        torch.testing.assert_close(a, b)

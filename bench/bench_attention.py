@@ -1,0 +1,227 @@
+"""flash attention vs SDPA (cuDNN, FlashAttention-2, memory-efficient) and compiled FlexAttention, on one GPU.
+
+    python bench/bench_attention.py            # the ANCHORS grid + D256 S16k + GQA + padding mask
+    python bench/bench_attention.py --sweep    # time kernel configs per head_dim (to fill the tables)
+
+TFLOP/s use flops = 4*B*H*S^2*D, halved when causal; fwd+bwd counts 3.5x the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import Results, bench_ms, markdown_table  # noqa: E402
+from flash_backend.ops.attention import flash_attention  # noqa: E402
+
+DT = torch.bfloat16
+
+# (B, Hq, Hkv, S, D, causal, mask)
+GRID = [
+    (16, 16, 16, 1024, 64, False, None),
+    (16, 16, 16, 1024, 64, True, None),
+    (8, 16, 16, 2048, 64, False, None),
+    (8, 16, 16, 2048, 64, True, None),
+    (8, 16, 16, 2048, 128, False, None),
+    (8, 16, 16, 2048, 128, True, None),
+    (4, 16, 16, 4096, 128, False, None),
+    (4, 16, 16, 4096, 128, True, None),
+    (2, 16, 16, 8192, 128, False, None),
+    (2, 16, 16, 8192, 128, True, None),
+    (2, 16, 16, 8192, 64, False, None),
+    (2, 16, 16, 8192, 64, True, None),
+    (1, 16, 16, 16384, 256, False, None),
+    (1, 16, 16, 16384, 256, True, None),
+    (4, 32, 8, 4096, 128, True, None),
+    (8, 16, 16, 2048, 64, False, "padding"),
+]
+FLEX_ROWS = {(8, 16, 2048, 64), (4, 16, 4096, 128)}
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _inputs(B, Hq, Hkv, S, D, mask_kind):
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=DT, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=DT, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=DT, requires_grad=True)
+    mask = None
+    if mask_kind == "padding":  # additive key-padding mask, a quarter of each sequence padded
+        lens = torch.randint(S * 3 // 4, S + 1, (B,), device="cuda")
+        pad = torch.arange(S, device="cuda")[None, :] >= lens[:, None]
+        mask = torch.zeros(B, 1, 1, S, device="cuda", dtype=DT)
+        mask = mask.masked_fill(pad[:, None, None, :], float("-inf"))
+    return q, k, v, mask
+
+
+def _time(fn, q, k, v, mode):
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench_ms(fn)
+    out = fn()
+    dout = torch.randn_like(out)
+
+    def fwd_bwd():
+        o = fn()
+        torch.autograd.grad(o, (q, k, v), dout)
+
+    return bench_ms(fwd_bwd)
+
+
+def _sdpa(backend, q, k, v, mask, causal, gqa):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def _flex_fn(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, Hq, S, _ = q.shape
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    gqa = k.shape[1] != Hq
+    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def run_grid(args):
+    res = Results("attention")
+    table = []
+    for B, Hq, Hkv, S, D, causal, mask_kind in GRID:
+        if args.quick and S * B * Hq > 2 * 16 * 8192:
+            continue
+        q, k, v, mask = _inputs(B, Hq, Hkv, S, D, mask_kind)
+        gqa = Hkv != Hq
+        flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
+        case = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, causal=causal, mask=mask_kind, dtype="bf16")
+        impls = {"ours": functools.partial(flash_attention, q, k, v, attn_mask=mask, is_causal=causal)}
+        for name, backend in SDPA_BACKENDS.items():
+            impls[name] = functools.partial(_sdpa, backend, q, k, v, mask, causal, gqa)
+        if (B, Hq, S, D) in FLEX_ROWS and mask_kind is None and not args.no_flex:
+            impls["flex"] = _flex_fn(q, k, v, causal)
+        row = {}
+        for mode in ("fwd", "fwd+bwd"):
+            mode_flops = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+            for name, fn in impls.items():
+                try:
+                    ms = _time(fn, q, k, v, mode)
+                except Exception as e:  # a backend that refuses this case (mask, head_dim, GQA)
+                    print(f"  {name} {mode} {case}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    continue
+                tflops = mode_flops / ms / 1e9
+                res.add(name, mode, case, ms, tflops=tflops)
+                row[(name, mode)] = tflops
+            got = ", ".join(f"{n}={row.get((n, mode), float('nan')):.0f}" for n in impls)
+            print(f"{case} {mode}: {got}", flush=True)
+        label = f"{B},{Hq}/{Hkv},{S},{D}" + (",pad" if mask_kind else "")
+        for mode in ("fwd", "fwd+bwd"):
+            ours = row.get(("ours", mode))
+            sdpa_best = max((row[(n, mode)] for n in SDPA_BACKENDS if (n, mode) in row), default=None)
+
+            def ratio(n, ours=ours, mode=mode, row=row):
+                other = row.get((n, mode))
+                return f"{ours / other:.2f}" if ours and other else "-"
+
+            table.append([label, "yes" if causal else "no", mode, ours or "-",
+                          row.get(("cudnn", mode), "-"), row.get(("fa2", mode), "-"),
+                          row.get(("flex", mode), "-"), ratio("cudnn"), ratio("fa2"), ratio("flex"),
+                          f"{ours / sdpa_best:.2f}" if ours and sdpa_best else "-"])
+        del q, k, v, mask
+        torch.cuda.empty_cache()
+    path = res.write()
+    print(f"\nwrote {path}\n")
+    header = ["B,Hq/Hkv,S,D", "causal", "mode", "ours TF/s", "cudnn", "fa2", "flex", "x cudnn", "x fa2",
+              "x flex", "x best sdpa"]
+    print(markdown_table(header, table))
+
+
+def run_sweep(args):
+    from flash_backend.kernels import attention_bwd, attention_fwd
+
+    fwd_cands = {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+             (128, 128, 8, 2)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+              (128, 32, 4, 3)],
+        256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 1)],
+    }
+    dkdv_cands = {
+        64: [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3),
+             (128, 128, 8, 2)],
+        128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 1)],
+        256: [(32, 64, 8, 1), (32, 64, 4, 2), (64, 64, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2)],
+    }
+    dq_cands = {
+        64: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 3), (64, 128, 8, 2)],
+        128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)],
+        256: [(64, 32, 8, 1), (64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2)],
+    }
+    shapes = {64: (8, 16, 2048), 128: (4, 16, 4096), 256: (2, 16, 4096)}
+    t_end = time.time() + args.sweep_seconds
+    for D, (B, H, S) in shapes.items():
+        q, k, v, _ = _inputs(B, H, H, S, D, None)
+        q, k, v = (t.detach() for t in (q, k, v))
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+        scale = D ** -0.5
+        for causal in (False, True):
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            wr = 0 if causal else -1
+            for cfg in fwd_cands[D]:
+                if time.time() > t_end:
+                    print("sweep: out of time")
+                    return
+                try:
+                    ms = bench_ms(functools.partial(attention_fwd.attention_forward_launch, q, k, v, None,
+                                                    None, 0.0, scale, -1, wr, False, out, lse, config=cfg))
+                    print(f"SWEEP fwd D={D} causal={causal} cfg={cfg}: {flops / ms / 1e9:.0f} TF/s",
+                          flush=True)
+                except Exception as e:
+                    print(f"SWEEP fwd D={D} causal={causal} cfg={cfg}: FAIL {type(e).__name__} "
+                          f"{str(e)[:100]}")
+            attention_fwd.attention_forward_launch(q, k, v, None, None, 0.0, scale, -1, wr, False, out, lse)
+            dout = torch.randn_like(out)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            bwd_flops = 2.5 * flops
+            base = (attention_bwd.DKDV_CONFIGS[D], attention_bwd.DQ_CONFIGS[D])
+            cands = [(c, base[1]) for c in dkdv_cands[D]]
+            cands += [(base[0], c) for c in dq_cands[D] if c != base[1]]
+            for cfg in cands:
+                if time.time() > t_end:
+                    print("sweep: out of time")
+                    return
+                try:
+                    ms = bench_ms(functools.partial(
+                        attention_bwd.attention_backward_launch, dout, q, k, v, out, lse, None, None, 0.0,
+                        scale, -1, wr, False, dq, dk, dv, None, config=cfg))
+                    print(f"SWEEP bwd D={D} causal={causal} dkdv={cfg[0]} dq={cfg[1]}: "
+                          f"{bwd_flops / ms / 1e9:.0f} TF/s ({ms:.3f} ms)", flush=True)
+                except Exception as e:
+                    print(f"SWEEP bwd D={D} causal={causal} cfg={cfg}: FAIL {type(e).__name__} "
+                          f"{str(e)[:100]}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-seconds", type=float, default=240)
+    p.add_argument("--quick", action="store_true", help="skip the largest rows")
+    p.add_argument("--no-flex", action="store_true")
+    args = p.parse_args()
+    if args.sweep:
+        run_sweep(args)
+    else:
+        run_grid(args)
+
+
+if __name__ == "__main__":
+    main()
