@@ -75,7 +75,9 @@ class _Core:
     out: torch.fx.Node  # the node holding the normalised (and affine) result
     anchor: torch.fx.Node
     inner: set[torch.fx.Node] = field(default_factory=set)  # nodes only the norm uses, out excluded
-    tail: list[tuple[str, torch.fx.Node]] = field(default_factory=list)  # (kind, node) after out
+    # after out: (kind, node, operand) for "cast" / "weight" / "bias"; weight and bias above are the
+    # norm call's own
+    tail: list[tuple[str, torch.fx.Node, torch.fx.Node | None]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -396,14 +398,15 @@ def _widen_tail(core: _Core) -> None:
     n = tensor_meta(core.x).shape[-1]
     cur = core.out
     pattern = core.inner | {core.out} | set(core.upcasts) | {core.x}
+    has_weight, has_bias = core.weight is not None, core.bias is not None
     while len(cur.users) == 1:
         user = next(iter(cur.users))
         if _is_cast(user) and user.args[0] is cur:
-            core.tail.append(("cast", user))
+            core.tail.append(("cast", user, None))
             cur = user
             continue
-        is_mul = core.weight is None and core.bias is None and _other(user, "mul", cur) is not None
-        is_add = not core.is_rms and core.bias is None and _other(user, "add", cur) is not None
+        is_mul = not has_weight and not has_bias and _other(user, "mul", cur) is not None
+        is_add = not core.is_rms and not has_bias and _other(user, "add", cur) is not None
         if not (is_mul or is_add):
             break
         operand = _other(user, "mul" if is_mul else "add", cur)
@@ -414,16 +417,19 @@ def _widen_tail(core: _Core) -> None:
         if t.dim() == 1 and _same_size(t.shape[0], n):
             if _depends_on(operand, pattern):
                 break
-            if is_mul:
-                core.weight = operand
-            else:
-                core.bias = operand
-            core.tail.append((what, user))
+            has_weight, has_bias = has_weight or is_mul, has_bias or is_add
+            core.tail.append((what, user, operand))
             cur = user
             continue
         if t.dim() >= 1 and _same_size(t.shape[-1], n) and all(_same_size(s, 1) for s in t.shape[:-1]):
             raise _Miss(f"{what} {operand.name} has shape {tuple(t.shape)}, not ({n},)")
         break
+
+
+def _affine(core: _Core, tail) -> tuple[torch.fx.Node | None, torch.fx.Node | None]:
+    weight = next((o for k, _, o in tail if k == "weight"), core.weight)
+    bias = next((o for k, _, o in tail if k == "bias"), core.bias)
+    return weight, bias
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -505,7 +511,7 @@ def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
     if inputs.residual is not None:
         parts.append("residual add")
     parts.append(core.variant)
-    affine = [k for k, _ in core.tail if k != "cast"]
+    affine = [k for k, _, _ in core.tail if k != "cast"]
     if affine:
         parts.append(" + ".join(affine))
     return " + ".join(parts) + (" (pre-norm, returns the residual)" if return_residual else "")
@@ -513,7 +519,7 @@ def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
 
 def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
     """(args, kwargs, return_residual) for one way of calling the op, or _Miss if its result differs."""
-    pattern = core.inner | {core.out} | set(core.upcasts) | {n for _, n in core.tail} | set(inputs.folded)
+    pattern = core.inner | {core.out} | set(core.upcasts) | {n for _, n, _ in core.tail} | set(inputs.folded)
     h = inputs.h
     return_residual = h is not None and any(u not in pattern for u in h.users)
     args = (inputs.x, inputs.residual, core.weight, core.bias)
@@ -552,20 +558,18 @@ def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> tuple[set[torch.fx.N
         t = tensor_meta(w) if w is not None else None
         if w is not None and (t is None or t.dim() != 1):
             raise _Miss(f"{what} is not a 1-d tensor of the normalised size")
-    # Preferred first: input upcasts folded into the op, then kept as the op's input; trailing casts
-    # folded, then left after the op. The first way whose result matches eager's is used.
-    cut = len(core.tail)
-    while cut and core.tail[cut - 1][0] == "cast":
-        cut -= 1
-    tails = [core.tail] + ([core.tail[:cut]] if cut < len(core.tail) else [])
+    # Preferred first: input upcasts folded into the op, then kept as the op's input; the whole tail
+    # folded, then shorter ones (what is left runs after the op, as eager ran it: an fp32 bias on a
+    # bf16 norm promotes there). The first way whose result matches eager's dtype and shape is used.
+    tails = [core.tail[:k] for k in range(len(core.tail), -1, -1)]
     heads = [(core.x, core.upcasts)] + ([(core.upcasts[0], [])] if core.upcasts else [])
     first_miss = None
     for head, upcasts in heads:
-        pattern_core = _Core(core.variant, core.is_rms, head, upcasts, core.eps, core.weight, core.bias,
-                             core.out, core.anchor, core.inner, core.tail)
         for inputs in _input_options(head):
             for tail in tails:
-                pattern_core.tail = tail
+                weight, bias = _affine(core, tail)
+                pattern_core = _Core(core.variant, core.is_rms, head, upcasts, core.eps, weight, bias,
+                                     core.out, core.anchor, core.inner, tail)
                 end = tail[-1][1] if tail else core.out
                 try:
                     plan = _plan(fn, pattern_core, inputs, end)

@@ -321,11 +321,12 @@ def test_llama_rmsnorm_spellings(cast, square, scale, weight):
 
 
 def test_llama_rmsnorm_bf16_matches_eager_dtype():
-    # bf16 weight: the op returns bf16 like eager. fp32 weight: eager promotes to fp32 after the
-    # downcast; the upcast stays in the graph and the op computes in fp32.
-    for weight_dtype in (torch.bfloat16, torch.float32):
+    # bf16 weight: the op returns bf16 like eager, weight folded in. fp32 weight: eager promotes to fp32
+    # after the downcast, which the op (bf16 out) cannot: it ends at the downcast and the fp32 weight
+    # multiply runs after it, as in eager.
+    for weight_dtype, variant in ((torch.bfloat16, "RMSNorm + weight"), (torch.float32, "RMSNorm ->")):
         m = LlamaRMSNorm().to(weight_dtype)
-        _check_rewrite(m, (_x(4, N, dtype=torch.bfloat16),), atol=2e-2, rtol=2e-2)
+        _check_rewrite(m, (_x(4, N, dtype=torch.bfloat16),), text=variant, atol=2e-2, rtol=2e-2)
 
 
 class T5LayerNorm(nn.Module):
