@@ -1,0 +1,918 @@
+"""Attention family: softmax(q kᵀ · scale + mask) · v, written by hand or as F.scaled_dot_product_attention,
+becomes ``flash_backend.ops.attention.flash_attention`` (one ``torch.ops.flash.attention_forward``).
+
+Why: eager attention materialises the (B, H, Sq, Sk) scores and probabilities in HBM, several times in
+training; the flash op never does, and its registered autograd gives the backward for free because this
+pass runs on the Torch IR, before AOTAutograd.
+
+Trade-off: the matcher is a structural walk rather than traced ``register_replacement`` patterns. Real
+code spells attention in too many equivalent ways (matmul / @ / bmm / einsum; scale on q, on k or on the
+scores, by a number or a sqrt tensor; masks added, filled or selected, in either operand order; casts and
+dropout anywhere on the probabilities; repeat_kv for GQA) for a table of traced patterns to cover their
+product. The walk starts at every softmax (and every SDPA call), follows the chain down to q·kᵀ and up to
+·v, and rewrites only when each step is proven equivalent: softmax over the last dim, kᵀ a transpose of
+k's last two dims, a constant positive scale, masks whose broadcast fits the scores, no cast to a lower
+precision, no other user of any intermediate, constant dropout settings. Anything else is a near miss,
+reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are evaluated
+at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from fx_passes._match import arg, insert_call, is_number, norm_dim, op_name, tensor_meta, val
+from fx_passes._report import record_near_miss, record_rewrite
+
+FAMILY = "attention"
+ORDER = 10  # before families that might claim the matmuls or the dropout around attention
+
+_MATMULS = ("matmul", "bmm", "einsum")
+_CASTS = ("to", "type", "float", "half", "bfloat16", "double", "type_as")
+_IDENTITY = ("contiguous", "clone")
+# Filled values at or below this count as "masked out": exp(fill - max) underflows to exactly 0.
+_MASKED_VALUE = -1e4
+# Additive mask values at or below this are masked out whatever the scores are (|s| << 1e30).
+_ADDITIVE_MASKED = -1e30
+_CONST_EVAL_MAX_NUMEL = 1 << 24
+_RANDOM_OPS = (
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "bernoulli",
+    "normal",
+    "uniform",
+    "multinomial",
+    "dropout",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "exponential",
+    "poisson",
+)
+
+
+class _Skip(Exception):
+    """A candidate that is not (provably) attention; the message is the reason reported."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Node helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _name(node) -> str | None:
+    """op_name, extended with torch functions the shared table does not list (by their own name)."""
+    name = op_name(node)
+    if name is not None or not isinstance(node, Node) or node.op != "call_function":
+        return name
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if target is operator.invert:
+        return "invert"
+    if target is operator.eq:
+        return "eq"
+    fn_name = getattr(target, "__name__", None)
+    if fn_name and any(
+        getattr(mod, fn_name, None) is target for mod in (torch, torch.nn.functional, torch.Tensor)
+    ):
+        return fn_name
+    return None
+
+
+def _shape(node) -> tuple | None:
+    t = tensor_meta(node)
+    return tuple(t.shape) if t is not None else None
+
+
+def _dtype(node):
+    t = tensor_meta(node)
+    return t.dtype if t is not None else None
+
+
+def _first_tensor_arg(node: Node) -> Node:
+    return node.args[0]
+
+
+def _single_user(node: Node, user: Node) -> bool:
+    return set(node.users) == {user}
+
+
+def _is_static(t) -> bool:
+    return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
+
+
+def _const_eval(node, memo: dict | None = None):
+    """The concrete value of a subgraph that reads no input (factories, constants, shapes), or raise.
+
+    Nondeterministic factories are refused: a random mask evaluated once proves nothing.
+    """
+    memo = {} if memo is None else memo
+    if not isinstance(node, Node):
+        if isinstance(node, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Skip("symbolic value")
+        return node
+    if node in memo:
+        return memo[node]
+    if node.op not in ("call_function", "call_method"):
+        raise _Skip("reads a graph input")
+    name = _name(node) or getattr(node.target, "__name__", str(node.target))
+    if any(r in str(name) for r in _RANDOM_OPS) or str(name).endswith("_"):
+        raise _Skip("nondeterministic or in-place")
+    meta = val(node)
+    if isinstance(meta, torch.Tensor) and (not _is_static(meta) or meta.numel() > _CONST_EVAL_MAX_NUMEL):
+        raise _Skip("symbolic or large")
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: _const_eval(a, memo))
+    with torch.no_grad(), _real_mode():
+        if node.op == "call_function":
+            result = node.target(*args, **kwargs)
+        else:
+            result = getattr(args[0], node.target)(*args[1:], **kwargs)
+    memo[node] = result
+    return result
+
+
+def _real_mode():
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older layout
+        import contextlib
+
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def _const_scalar(node) -> float | None:
+    """A Python number, or a one-element constant tensor (torch.sqrt(torch.tensor(d))), as a float."""
+    if is_number(node):
+        return float(node)
+    if not isinstance(node, Node):
+        return None
+    try:
+        value = _const_eval(node)
+    except Exception:  # noqa: BLE001 - anything not evaluable is not a constant
+        return None
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and (value.is_floating_point() or not value.dtype.is_complex)
+    ):
+        return float(value.item())
+    return float(value) if is_number(value) else None
+
+
+def _fits(mask_shape, scores_shape) -> bool:
+    if mask_shape is None or len(mask_shape) > len(scores_shape):
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(tuple(mask_shape), tuple(scores_shape))) == tuple(scores_shape)
+    except RuntimeError:
+        return False
+
+
+def _precise_enough(dtype, source_dtype) -> bool:
+    """A cast the attention may take without losing precision: back to the input dtype, or upwards."""
+    if dtype == source_dtype:
+        return True
+    if dtype is None or not dtype.is_floating_point:
+        return False
+    limit = min(torch.finfo(source_dtype).eps, torch.finfo(torch.float32).eps)
+    return torch.finfo(dtype).eps <= limit
+
+
+def _check_op_limits(q_shape, k_shape, v_shape, dtype):
+    """What flash_attention raises on, checked at compile time so the model keeps its eager attention."""
+    from flash_backend.ops.attention import MAX_HEAD_DIM
+
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise _Skip(f"dtype {dtype} is not supported by the flash op")
+    for name, d in (("q/k", q_shape[-1]), ("v", v_shape[-1])):
+        if not isinstance(d, int) or d % 8 != 0 or d > MAX_HEAD_DIM:
+            raise _Skip(f"head_dim of {name} is {d}; the flash op takes multiples of 8 up to {MAX_HEAD_DIM}")
+    if q_shape[-1] != k_shape[-1]:
+        raise _Skip("q and k head dims differ")
+    if not (q_shape[0] == k_shape[0] == v_shape[0]):
+        raise _Skip(
+            f"batch dims differ (q {q_shape}, k {k_shape}, v {v_shape}): broadcasting batch is not taken"
+        )
+    if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
+        raise _Skip(f"k {k_shape} and v {v_shape} do not pair up")
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1] != 0:
+        raise _Skip(f"q heads ({q_shape[1]}) are not a multiple of k/v heads ({k_shape[1]})")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Masks: what the scores' masking steps amount to, and whether a constant mask is causal
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Masks:
+    def __init__(self):
+        self.keeps: list[tuple[Node, bool]] = []  # (bool tensor, negate): True = visible after negation
+        self.additive: list[Node] = []
+
+    def empty(self) -> bool:
+        return not self.keeps and not self.additive
+
+    def nodes(self) -> list[Node]:
+        return [n for n, _ in self.keeps] + list(self.additive)
+
+    def check(self, scores_shape):
+        for node in self.nodes():
+            if not isinstance(node, Node) or tensor_meta(node) is None:
+                raise _Skip("mask is not a tensor")
+            if not _fits(_shape(node), scores_shape):
+                raise _Skip(
+                    f"mask of shape {list(_shape(node))} does not broadcast to the scores "
+                    f"{list(scores_shape)} without enlarging them"
+                )
+        for node, _ in self.keeps:
+            if _dtype(node) != torch.bool:
+                raise _Skip(f"mask condition has dtype {_dtype(node)}, not bool")
+        for node in self.additive:
+            if not _dtype(node).is_floating_point:
+                raise _Skip(f"additive mask has dtype {_dtype(node)}, not floating point")
+
+    def constant_keep(self, sq: int, sk: int) -> torch.Tensor | None:
+        """The visible-key pattern when every mask is a compile-time constant (else None)."""
+        keep = None
+        try:
+            for node, negate in self.keeps:
+                k = _const_eval(node).to(torch.bool)
+                keep_i = ~k if negate else k
+                keep = keep_i if keep is None else keep & keep_i
+            for node in self.additive:
+                m = _const_eval(node)
+                visible = m == 0
+                masked = m <= _ADDITIVE_MASKED
+                if not bool((visible | masked).all()):
+                    return None  # a real bias, not a mask
+                keep = visible if keep is None else keep & visible
+        except Exception:  # noqa: BLE001 - not constant
+            return None
+        if keep is None or keep.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)):
+            return None
+        return keep.broadcast_to(keep.shape[:-2] + (sq, sk)).cpu()
+
+    def build(self, graph: Graph, like: Node, sq: int, sk: int):
+        """(attn_mask node or None, is_causal) for flash_attention."""
+        if self.empty():
+            return None, False
+        keep = self.constant_keep(sq, sk)
+        if keep is not None:
+            if bool(keep.all()):
+                return None, False
+            causal = torch.ones(sq, sk, dtype=torch.bool).tril()
+            if bool((keep == causal).all()):
+                return None, True
+        keep_node = None
+        for node, negate in self.keeps:
+            k = insert_call(graph, torch.logical_not, (node,), like=like) if negate else node
+            keep_node = (
+                k if keep_node is None else insert_call(graph, torch.logical_and, (keep_node, k), like=like)
+            )
+        add_node = None
+        for node in self.additive:
+            add_node = (
+                node if add_node is None else insert_call(graph, torch.add, (add_node, node), like=like)
+            )
+        if add_node is None:
+            return keep_node, False
+        if keep_node is None:
+            return add_node, False
+        return insert_call(graph, torch.where, (keep_node, add_node, float("-inf")), like=like), False
+
+
+Graph = torch.fx.Graph
+
+
+# --------------------------------------------------------------------------------------------------------
+# The scores side: softmax input -> ... -> q·kᵀ
+# --------------------------------------------------------------------------------------------------------
+
+
+def _reaches_matmul(node, depth: int = 16) -> bool:
+    if not isinstance(node, Node) or depth == 0:
+        return False
+    name = _name(node)
+    if name in _MATMULS:
+        return True
+    if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
+        return any(_reaches_matmul(a, depth - 1) for a in node.args if isinstance(a, Node))
+    return False
+
+
+def _scale_operand(node: Node):
+    """(tensor operand, factor) of a multiply or divide by a constant, else None."""
+    name = _name(node)
+    if name not in ("mul", "div") or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if name == "div":
+        c = _const_scalar(b)
+        if c is None or c == 0 or not isinstance(a, Node):
+            return None
+        return a, 1.0 / c
+    for x, y in ((a, b), (b, a)):
+        c = _const_scalar(y)
+        if c is not None and isinstance(x, Node) and tensor_meta(x) is not None:
+            return x, c
+    return None
+
+
+def _strip_scales(node: Node, consumer: Node, chain: list[Node]) -> tuple[Node, float]:
+    """Fold constant multiplies/divides on q or k (only when the scaled tensor feeds nothing else)."""
+    factor = 1.0
+    while isinstance(node, Node) and _single_user(node, consumer):
+        scaled = _scale_operand(node)
+        if scaled is None or tensor_meta(node).shape != tensor_meta(scaled[0]).shape:
+            break
+        chain.append(node)
+        consumer, (node, f) = node, scaled
+        factor *= f
+    return node, factor
+
+
+def _untranspose(kt: Node, ndim: int) -> Node:
+    """k, when kt is k with its last two dims swapped (transpose, permute, .mT); else raise."""
+    name = _name(kt)
+    if name == "transpose" or (name == "swapaxes" or name == "swapdims"):
+        dims = sorted(norm_dim(d, ndim) for d in (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")))
+        if dims == [ndim - 2, ndim - 1]:
+            return kt.args[0]
+        raise _Skip(f"k is transposed over dims {dims}, not its last two")
+    if name == "permute":
+        perm = kt.args[1:] if len(kt.args) > 1 else kt.kwargs.get("dims", ())
+        if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
+            perm = perm[0]
+        perm = [norm_dim(d, ndim) for d in perm]
+        if perm == list(range(ndim - 2)) + [ndim - 1, ndim - 2]:
+            return kt.args[0]
+        raise _Skip(f"k is permuted by {perm}, not by a swap of its last two dims")
+    if kt.op == "call_function" and kt.target is getattr and kt.args[1] in ("mT", "mH", "T"):
+        return kt.args[0]
+    if kt.op == "call_method" and kt.target in ("t",):
+        return kt.args[0]
+    raise _Skip(f"the right operand of q·kᵀ ({name or kt.target}) is not a transpose of k's last two dims")
+
+
+def _parse_einsum(eq: str, n_in: int) -> tuple[list[str], str]:
+    eq = eq.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        raise _Skip(f"einsum '{eq}' has no explicit output or uses ellipsis")
+    lhs, out = eq.split("->")
+    ins = lhs.split(",")
+    if len(ins) != n_in or any(len(set(s)) != len(s) for s in ins + [out]):
+        raise _Skip(f"einsum '{eq}' is not a plain two-operand contraction")
+    return ins, out
+
+
+class _Candidate:
+    """Everything the replacement needs, collected while proving the match."""
+
+    def __init__(self):
+        self.chain: list[Node] = []  # nodes the rewrite makes dead
+        self.scale = 1.0
+        self.masks = _Masks()
+        self.q = self.k = self.v = None
+        self.q_perm = self.k_perm = self.v_perm = None  # permutes into (batch..., S, D)
+        self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
+        self.batch_dims = 2
+        self.variant = "matmul"
+
+
+def _scores_side(cand: _Candidate, softmax: Node, x: Node):
+    """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
+    consumer = softmax
+    steps: list[tuple[str, object]] = []
+    while True:
+        if not isinstance(x, Node):
+            raise _Skip("softmax input is not a tensor")
+        if not _single_user(x, consumer):
+            others = [u.name for u in x.users if u is not consumer]
+            raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
+        name = _name(x)
+        if name in _MATMULS:
+            break
+        cand.chain.append(x)
+        if name in _CASTS or name in _IDENTITY:
+            if _shape(x) != _shape(x.args[0]):
+                raise _Skip(f"'{x.name}' changes the scores' shape")
+            steps.append(("cast", x))
+            consumer, x = x, x.args[0]
+            continue
+        if name in ("mul", "div"):
+            scaled = _scale_operand(x)
+            if scaled is None:
+                raise _Skip(f"scores are scaled by '{x.name}', which is not a compile-time constant")
+            if not _reaches_matmul(scaled[0]):
+                raise _Skip(f"'{x.name}' does not scale the q·kᵀ scores")
+            if scaled[1] <= 0 or not math.isfinite(scaled[1]):
+                raise _Skip(f"scale {scaled[1]} is not a positive finite number")
+            steps.append(("scale", scaled[1]))
+            cand.scale *= scaled[1]
+            consumer, x = x, scaled[0]
+            continue
+        if name == "add" and len(x.args) == 2:
+            a, b = x.args
+            ra, rb = _reaches_matmul(a), _reaches_matmul(b)
+            if ra == rb:
+                raise _Skip(f"cannot tell the scores from the mask in '{x.name}'")
+            scores, mask = (a, b) if ra else (b, a)
+            if is_number(mask):
+                steps.append(("shift", mask))  # a constant shift does not change softmax
+            else:
+                steps.append(("add", mask))
+                cand.masks.additive.append(mask)
+            consumer, x = x, scores
+            continue
+        if name in ("masked_fill", "masked_fill_"):
+            cond, fill = arg(x, 1, "mask"), arg(x, 2, "value")
+            value = _const_scalar(fill)
+            if value is None or value > _MASKED_VALUE:
+                raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
+            steps.append(("keep", cond))
+            cand.masks.keeps.append((cond, True))
+            consumer, x = x, x.args[0]
+            continue
+        if name == "where" and len(x.args) == 3:
+            cond, a, b = x.args
+            ra, rb = _reaches_matmul(a), _reaches_matmul(b)
+            if ra == rb:
+                raise _Skip(f"cannot tell the scores from the fill value in '{x.name}'")
+            scores, fill = (a, b) if ra else (b, a)
+            value = _const_scalar(fill)
+            if value is None or value > _MASKED_VALUE:
+                raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant")
+            steps.append(("keep", cond))
+            cand.masks.keeps.append((cond, not ra))
+            consumer, x = x, scores
+            continue
+        raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
+    # A scale applied after an additive mask would scale the mask too: not the op's function.
+    seen_add = False
+    for kind, _ in reversed(steps):  # innermost first
+        if kind == "add":
+            seen_add = True
+        elif kind == "scale" and seen_add:
+            raise _Skip("the scores are scaled after an additive mask was added")
+    cand.steps = steps
+    return x
+
+
+def _qk(cand: _Candidate, mm: Node):
+    """Split q·kᵀ into q and k in (batch..., S, D) layout, folding scales on either."""
+    cand.chain.append(mm)
+    name = _name(mm)
+    if name == "einsum":
+        eq = mm.args[0]
+        operands = (
+            list(mm.args[1])
+            if len(mm.args) == 2 and isinstance(mm.args[1], (list, tuple))
+            else list(mm.args[1:])
+        )
+        if not isinstance(eq, str) or len(operands) != 2:
+            raise _Skip("einsum is not a two-operand contraction")
+        (a_l, b_l), out = _parse_einsum(eq, 2)
+        d = [c for c in a_l if c in b_l and c not in out]
+        i = [c for c in a_l if c in out and c not in b_l]
+        j = [c for c in b_l if c in out and c not in a_l]
+        batch = [c for c in out if c in a_l and c in b_l]
+        if (
+            len(d) != 1
+            or len(i) != 1
+            or len(j) != 1
+            or len(batch) + 2 != len(out)
+            or out[-2:] != i[0] + j[0]
+            or len(a_l) != len(out)
+            or len(b_l) != len(out)
+        ):
+            raise _Skip(f"einsum '{eq}' is not q·kᵀ with the scores' key dim last")
+        cand.variant = "einsum"
+        q, k = operands
+        cand.q_perm = [a_l.index(c) for c in batch + i + d]
+        cand.k_perm = [b_l.index(c) for c in batch + j + d]
+        cand.batch_dims = len(batch)
+        q, fq = _strip_scales(q, mm, cand.chain)
+        k, fk = _strip_scales(k, mm, cand.chain)
+        cand.q, cand.k, cand.scale = q, k, cand.scale * fq * fk
+        return
+    cand.variant = name
+    q, kt = mm.args[0], mm.args[1]
+    if not (isinstance(q, Node) and isinstance(kt, Node)):
+        raise _Skip("q·kᵀ operands are not tensors")
+    ndim = len(_shape(q) or ())
+    if ndim not in (3, 4) or len(_shape(kt) or ()) != ndim:
+        raise _Skip(f"q·kᵀ operands are {ndim}-d; the flash op takes (B, H, S, D) or (BH, S, D)")
+    cand.batch_dims = ndim - 2
+    kt, fk1 = _strip_scales(kt, mm, cand.chain)
+    k = _untranspose(kt, ndim)
+    cand.chain.append(kt)  # erased only if the rewrite leaves it without users
+    k, fk2 = _strip_scales(k, kt, cand.chain)
+    q, fq = _strip_scales(q, mm, cand.chain)
+    cand.q, cand.k, cand.scale = q, k, cand.scale * fq * fk1 * fk2
+
+
+# --------------------------------------------------------------------------------------------------------
+# The probabilities side: softmax -> casts / dropout -> ·v
+# --------------------------------------------------------------------------------------------------------
+
+
+def _feeds_matmul(node: Node, depth: int = 8) -> bool:
+    for user in node.users:
+        name = _name(user)
+        if name in _MATMULS:
+            return True
+        if depth and (
+            name in _CASTS + _IDENTITY + ("dropout", "dropout_") or user.target is torch.nn.functional.dropout
+        ):
+            if _feeds_matmul(user, depth - 1):
+                return True
+    return False
+
+
+def _dropout_p(node: Node):
+    """The dropout probability in effect: 0 outside training, else p (a number, or a SymFloat node)."""
+    name = _name(node)
+    train_kw = "train" if name == "dropout" and node.target is torch.dropout else "training"
+    p, training = arg(node, 1, "p", 0.5), arg(node, 2, train_kw, True)
+    if training is False:
+        return 0.0
+    if training is not True:
+        raise _Skip(f"dropout '{node.name}' has a non-constant training flag")
+    if is_number(p):
+        return float(p)
+    if isinstance(p, Node) and isinstance(val(p), (float, torch.SymFloat)):
+        return p  # dynamic=True turns module floats into graph inputs; the op specialises on them
+    raise _Skip(f"dropout '{node.name}' has a p that is neither a number nor a scalar")
+
+
+def _probs_side(cand: _Candidate, softmax: Node) -> Node:
+    """Walk from softmax up to the ·v matmul; returns it."""
+    x = softmax
+    cand.dropout_p = 0.0
+    while True:
+        users = list(x.users)
+        if len(users) != 1:
+            what = "are also returned or reused" if users else "are unused"
+            raise _Skip(f"attention probabilities '{x.name}' {what} ({len(users)} users)")
+        user = users[0]
+        name = _name(user)
+        if name in _MATMULS:
+            return user
+        if name in _CASTS or name in _IDENTITY:
+            if user.args[0] is not x:
+                raise _Skip(f"'{user.name}' uses the probabilities as a dtype template")
+            cand.chain.append(user)
+            x = user
+            continue
+        if name in ("dropout", "dropout_") or (
+            user.op == "call_function" and user.target in (torch.nn.functional.dropout, torch.dropout)
+        ):
+            if cand.dropout_p:
+                raise _Skip("more than one dropout on the probabilities")
+            cand.dropout_p = _dropout_p(user)
+            if is_number(cand.dropout_p) and not 0.0 <= cand.dropout_p < 1.0:
+                raise _Skip(f"dropout p={cand.dropout_p} outside [0, 1)")
+            cand.chain.append(user)
+            x = user
+            continue
+        raise _Skip(f"the probabilities go to '{user.name}' ({name or user.target}), not to a matmul with v")
+
+
+def _pv(cand: _Candidate, pv: Node, probs: Node):
+    cand.chain.append(pv)
+    name = _name(pv)
+    if name == "einsum":
+        eq = pv.args[0]
+        operands = (
+            list(pv.args[1])
+            if len(pv.args) == 2 and isinstance(pv.args[1], (list, tuple))
+            else list(pv.args[1:])
+        )
+        if not isinstance(eq, str) or len(operands) != 2 or operands[0] is not probs:
+            raise _Skip("the probabilities are not the first operand of the ·v einsum")
+        (p_l, v_l), out = _parse_einsum(eq, 2)
+        if len(p_l) != cand.batch_dims + 2:
+            raise _Skip(f"einsum '{eq}' does not take the scores' layout")
+        batch, i, j = list(p_l[:-2]), p_l[-2], p_l[-1]
+        e = [c for c in v_l if c not in p_l]
+        if len(e) != 1 or sorted(v_l) != sorted(batch + [j] + e) or sorted(out) != sorted(batch + [i] + e):
+            raise _Skip(f"einsum '{eq}' is not probabilities·v")
+        cand.v = operands[1]
+        cand.v_perm = [v_l.index(c) for c in batch + [j] + e]
+        produced = batch + [i] + e
+        cand.out_perm = [produced.index(c) for c in out]
+        cand.variant += "+einsum"
+        return
+    if pv.args[0] is not probs or not isinstance(pv.args[1], Node):
+        raise _Skip("the probabilities are not the left operand of the ·v matmul")
+    cand.v = pv.args[1]
+    if len(_shape(cand.v) or ()) != cand.batch_dims + 2:
+        raise _Skip("v does not have the scores' batch dims")
+
+
+# --------------------------------------------------------------------------------------------------------
+# GQA: k/v repeated to q's heads (repeat_kv's expand + reshape, or repeat_interleave) are passed un-repeated
+# --------------------------------------------------------------------------------------------------------
+
+
+def _unrepeat(node: Node) -> tuple[Node, int]:
+    name = _name(node)
+    if name == "repeat_interleave":
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        shape = _shape(node)
+        if isinstance(repeats, int) and shape is not None and len(shape) == 4 and dim in (1, -3):
+            return node.args[0], repeats
+        return node, 1
+    if name in ("reshape", "view") and isinstance(node.args[0], Node):
+        expanded = node.args[0]
+        if _name(expanded) != "expand" or not isinstance(expanded.args[0], Node):
+            return node, 1
+        unsq = expanded.args[0]
+        un = _name(unsq)
+        if un == "unsqueeze" and norm_dim(arg(unsq, 1, "dim"), 5) == 2:
+            base = unsq.args[0]
+        elif (
+            un == "getitem"
+            and isinstance(unsq.args[1], tuple)
+            and len(unsq.args[1]) >= 3
+            and unsq.args[1][2] is None
+            and all(s == slice(None) for s in unsq.args[1][:2])
+            and all(s == slice(None) for s in unsq.args[1][3:])
+        ):
+            base = unsq.args[0]
+        else:
+            return node, 1
+        bs, es, rs = _shape(base), _shape(expanded), _shape(node)
+        if bs is None or es is None or rs is None or len(bs) != 4 or len(es) != 5:
+            return node, 1
+        b, h, s, d = bs
+        n = es[2]
+        if es == (b, h, n, s, d) and rs == (b, h * n, s, d):
+            return base, n
+    return node, 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rewrites
+# --------------------------------------------------------------------------------------------------------
+
+
+def _permuted(graph, node, perm, like):
+    if perm is None or perm == sorted(perm):
+        return node
+    return insert_call(graph, torch.permute, (node, tuple(perm)), like=like)
+
+
+def _rewrite_softmax(graph: Graph, softmax: Node):
+    x = softmax.args[0]
+    if not isinstance(x, Node) or tensor_meta(x) is None:
+        return
+    cand = _Candidate()
+    # Only softmaxes that sit between two matmuls are attention candidates worth a report.
+    if not _reaches_matmul(x) or not _feeds_matmul(softmax):
+        return
+    ndim = len(_shape(x))
+    dim = arg(softmax, 1, "dim")
+    dtype_pos = 3 if softmax.op == "call_function" and softmax.target is torch.nn.functional.softmax else 2
+    sm_dtype = arg(softmax, dtype_pos, "dtype")
+    if dim is None or norm_dim(dim, ndim) != ndim - 1:
+        raise _Skip(f"softmax over dim {dim} of the {ndim}-d scores, not the last (key) dim")
+    mm = _scores_side(cand, softmax, x)
+    _qk(cand, mm)
+    pv = _probs_side(cand, softmax)
+    probs = (
+        pv.args[0]
+        if _name(pv) != "einsum"
+        else (pv.args[1][0] if len(pv.args) == 2 and isinstance(pv.args[1], (list, tuple)) else pv.args[1])
+    )
+    _pv(cand, pv, probs)
+    cand.chain.append(softmax)
+
+    # Shapes and dtypes, in (batch..., S, D) layout.
+    def laid_out(node, perm):
+        shape = _shape(node)
+        if shape is None:
+            raise _Skip(f"'{node}' has no shape information")
+        return tuple(shape[p] for p in perm) if perm else shape
+
+    q_shape, k_shape, v_shape = (
+        laid_out(cand.q, cand.q_perm),
+        laid_out(cand.k, cand.k_perm),
+        laid_out(cand.v, cand.v_perm),
+    )
+    scores_shape = _shape(mm)
+    cand.masks.check(scores_shape)
+    if _shape(x) != scores_shape:
+        raise _Skip(
+            f"the softmax input {list(_shape(x))} is not the shape of the q·kᵀ scores {list(scores_shape)}"
+        )
+    src = _dtype(cand.q)
+    if not (src == _dtype(cand.k) == _dtype(cand.v) == _dtype(pv)):
+        raise _Skip(
+            f"q, k, v and the output dtypes differ ({src}, {_dtype(cand.k)}, {_dtype(cand.v)}, {_dtype(pv)})"
+        )
+    for node in [n for n in cand.chain if _name(n) in _CASTS] + ([softmax] if sm_dtype is not None else []):
+        if not _precise_enough(_dtype(node), src):
+            raise _Skip(f"'{node.name}' casts to {_dtype(node)}, less precise than the {src} inputs")
+    if len(q_shape) != cand.batch_dims + 2 or cand.batch_dims not in (1, 2):
+        raise _Skip(f"attention over {cand.batch_dims} batch dims; the flash op takes (B, H) or (BH)")
+    if scores_shape != tuple(q_shape[:-1]) + (k_shape[-2],):
+        raise _Skip(
+            f"scores {list(scores_shape)} are not (batch..., Sq, Sk) of q {list(q_shape)}, k {list(k_shape)}"
+        )
+
+    # GQA: pass k/v un-repeated when both were repeated alike.
+    k_node, v_node = cand.k, cand.v
+    enable_gqa = False
+    if cand.batch_dims == 2 and cand.k_perm in (None, [0, 1, 2, 3]) and cand.v_perm in (None, [0, 1, 2, 3]):
+        k_base, nk = _unrepeat(cand.k)
+        v_base, nv = _unrepeat(cand.v)
+        if nk == nv and nk > 1:
+            k_node, v_node, enable_gqa = k_base, v_base, True
+            k_shape, v_shape = _shape(k_base), _shape(v_base)
+    if cand.batch_dims == 1:
+        q_shape, k_shape, v_shape = ((1,) + tuple(s) for s in (q_shape, k_shape, v_shape))
+    _check_op_limits(q_shape, k_shape, v_shape, src)
+
+    from flash_backend.ops.attention import flash_attention
+
+    q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
+    k_in = _permuted(graph, k_node, cand.k_perm, softmax)
+    v_in = _permuted(graph, v_node, cand.v_perm, softmax)
+    if cand.batch_dims == 1:
+        q_in, k_in, v_in = (
+            insert_call(graph, torch.unsqueeze, (t, 0), like=softmax) for t in (q_in, k_in, v_in)
+        )
+    mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
+    out = insert_call(
+        graph,
+        flash_attention,
+        (q_in, k_in, v_in),
+        {
+            "attn_mask": mask,
+            "dropout_p": cand.dropout_p,
+            "is_causal": is_causal,
+            "scale": cand.scale,
+            "enable_gqa": enable_gqa,
+        },
+        like=softmax,
+    )
+    if cand.batch_dims == 1:
+        out = insert_call(graph, torch.squeeze, (out, 0), like=softmax)
+    if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
+        out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
+    pv.replace_all_uses_with(out)
+    _erase_dead(graph, cand.chain + cand.masks.nodes())
+    details = [f"scale={cand.scale:.4g}"]
+    if is_causal:
+        details.append("causal")
+    elif mask is not None:
+        details.append("mask")
+    if isinstance(cand.dropout_p, Node) or cand.dropout_p:
+        details.append(f"dropout={cand.dropout_p}")
+    if enable_gqa:
+        details.append("gqa")
+    record_rewrite(FAMILY, f"softmax({cand.variant})", f"flash_attention({', '.join(details)})", softmax)
+
+
+def _erase_dead(graph: Graph, roots):
+    """Erase the matched nodes left without users, and the pure subgraphs only they used (a mask
+    folded into is_causal leaves its factories behind)."""
+    pending = [r for r in roots if isinstance(r, Node)]
+    while pending:
+        node = pending.pop()
+        if getattr(node, "_erased", False) or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if str(_name(node) or node.target).endswith("_"):
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        pending.extend(inputs)
+
+
+def _rewrite_sdpa(graph: Graph, node: Node):
+    q, k, v = (arg(node, i, n) for i, n in ((0, "query"), (1, "key"), (2, "value")))
+    attn_mask = arg(node, 3, "attn_mask")
+    dropout_p = arg(node, 4, "dropout_p", 0.0)
+    is_causal = arg(node, 5, "is_causal", False)
+    scale = arg(node, 6, "scale")
+    enable_gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
+    if not all(isinstance(t, Node) and tensor_meta(t) is not None for t in (q, k, v)):
+        raise _Skip("q, k, v are not tensors")
+    symbolic_p = isinstance(dropout_p, Node) and isinstance(val(dropout_p), (float, torch.SymFloat))
+    if (
+        not (is_number(dropout_p) or symbolic_p)
+        or not isinstance(is_causal, bool)
+        or not isinstance(enable_gqa, bool)
+    ):
+        raise _Skip("dropout_p, is_causal or enable_gqa is not a compile-time constant")
+    if scale is not None and _const_scalar(scale) is None:
+        raise _Skip("scale is not a compile-time constant")
+    scale = None if scale is None else _const_scalar(scale)
+    q_shape, k_shape, v_shape = _shape(q), _shape(k), _shape(v)
+    ndim = len(q_shape)
+    if ndim not in (3, 4) or len(k_shape) != ndim or len(v_shape) != ndim:
+        raise _Skip(f"{ndim}-d inputs; the flash op takes (B, H, S, D)")
+    if ndim == 3:
+        q_shape, k_shape, v_shape = ((1,) + s for s in (q_shape, k_shape, v_shape))
+    dtype = _dtype(q)
+    if not (dtype == _dtype(k) == _dtype(v)):
+        raise _Skip("q, k, v dtypes differ")
+    if k_shape[1] != q_shape[1] and not enable_gqa:
+        raise _Skip("k/v heads differ from q heads without enable_gqa (SDPA raises)")
+    _check_op_limits(q_shape, k_shape, v_shape, dtype)
+    if not symbolic_p and not 0.0 <= dropout_p < 1.0:
+        raise _Skip(f"dropout_p={dropout_p} outside [0, 1)")
+    masks = _Masks()
+    scores_shape = (q_shape[0], q_shape[1], q_shape[2], k_shape[2])
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Node):
+            raise _Skip("attn_mask is not a tensor")
+        if is_causal:
+            raise _Skip("both attn_mask and is_causal (SDPA raises)")
+        if ndim == 3 and len(_shape(attn_mask) or ()) > 3:
+            raise _Skip("4-d mask with 3-d inputs")
+        (
+            masks.keeps.append((attn_mask, False))
+            if _dtype(attn_mask) == torch.bool
+            else masks.additive.append(attn_mask)
+        )
+        masks.check(scores_shape)
+
+    from flash_backend.ops.attention import flash_attention
+
+    if ndim == 3:
+        q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
+    mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
+    out = insert_call(
+        graph,
+        flash_attention,
+        (q, k, v),
+        {
+            "attn_mask": mask,
+            "dropout_p": dropout_p if symbolic_p else float(dropout_p),
+            "is_causal": is_causal or causal_from_mask,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+        },
+        like=node,
+    )
+    if ndim == 3:
+        out = insert_call(graph, torch.squeeze, (out, 0), like=node)
+    node.replace_all_uses_with(out)
+    _erase_dead(graph, [node])
+    record_rewrite(FAMILY, "scaled_dot_product_attention", "flash_attention", out)
+
+
+_INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add"}
+_FRESH = _MATMULS + ("mul", "div", "add", "sub", "masked_fill", "where")
+
+
+def _functionalize_inplace(graph: Graph) -> None:
+    """`scores.masked_fill_(m, -inf)` (result unused) -> `scores = scores.masked_fill(m, -inf)`.
+
+    Only on tensors a non-view op just produced, so that no alias observes the mutation; every later
+    reader of the mutated tensor reads the functional result instead.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target not in _INPLACE or not isinstance(node.args[0], Node):
+            continue
+        base = node.args[0]
+        if _name(base) not in _FRESH:
+            continue
+        with graph.inserting_after(node):
+            functional = graph.call_method(_INPLACE[node.target], node.args, node.kwargs)
+        functional.meta.update(node.meta)
+        for user in list(base.users):
+            if user is not node and user is not functional and order.get(user, -1) > order[node]:
+                user.replace_input_with(base, functional)
+        node.replace_all_uses_with(functional)
+        graph.erase_node(node)
+
+
+def rewrite(graph: torch.fx.Graph) -> None:
+    _functionalize_inplace(graph)
+    for node in list(graph.nodes):
+        if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
+            continue
+        name = _name(node)
+        if name not in ("softmax", "sdpa"):
+            continue
+        variant = "scaled_dot_product_attention" if name == "sdpa" else "softmax attention"
+        try:
+            if name == "sdpa":
+                _rewrite_sdpa(graph, node)
+            else:
+                _rewrite_softmax(graph, node)
+        except _Skip as skip:
+            record_near_miss(FAMILY, variant, str(skip), node)

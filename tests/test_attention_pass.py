@@ -1,0 +1,661 @@
+"""fx_passes/attention: hand-written attention and SDPA calls become flash_attention, and nothing else does.
+
+Most checks run the rewrite without Inductor (flash_backend.backend.rewrite_only_backend: the rewritten
+graph runs as plain PyTorch, the flash op on its CPU reference) and compare outputs and gradients with
+eager; a few compile end to end with backend="flash". transformers is a test dependency (README).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers  # a test dependency, installed in CI (README)
+
+import flash_backend
+from flash_backend.backend import rewrite_only_backend
+from flash_backend.ops.attention import flash_attention
+from fx_passes._compat import counters
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _rewrites():
+    return counters["flash"]["attention"], counters["flash"]["attention_skipped"]
+
+
+def _run_rewritten(fn, *args, **kwargs):
+    """fn through dynamo + the attention rewrite only, with the graphs it produced."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_only_backend(gm, example_inputs)
+        graphs.append(gm.graph)
+        return compiled
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(fn, backend=backend)(*args, **kwargs)
+    return out, graphs
+
+
+def _flash_nodes(graphs):
+    return [n for g in graphs for n in g.nodes if n.op == "call_function" and n.target is flash_attention]
+
+
+def _check_same(fn, *args, rewrites=1, **kwargs):
+    """fn rewritten matches fn eager, outputs and input gradients; returns the flash_attention nodes."""
+    args_e = [
+        a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    args_r = [
+        a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    ref = fn(*args_e, **kwargs)
+    out, graphs = _run_rewritten(fn, *args_r, **kwargs)
+    assert _rewrites() == (rewrites, 0), flash_backend.explain(fn, *args, print_report=False, **kwargs)
+    torch.testing.assert_close(out, ref, **TOL)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    out.backward(grad)
+    for a, b in zip(args_r, args_e, strict=True):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            torch.testing.assert_close(a.grad, b.grad, **TOL)
+    return _flash_nodes(graphs)
+
+
+def _qkv(B=2, H=4, S=12, D=16, Hkv=None, Sk=None, layout="bhsd"):
+    Hkv = Hkv or H
+    Sk = Sk or S
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, Sk, D), torch.randn(B, Hkv, Sk, D)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hand-written forms, one per function: scores, scale, mask, softmax dtype, dropout, GQA spellings.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _matmul_mul(q, k, v):
+    return torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1) @ v
+
+
+def _at_div_sqrt(q, k, v):
+    d = q.size(-1)
+    return F.softmax(q @ k.transpose(2, 3) / math.sqrt(d), dim=-1) @ v
+
+
+def _sqrt_tensor(q, k, v):
+    s = torch.matmul(q, k.permute(0, 1, 3, 2)) / torch.sqrt(torch.tensor(q.shape[-1], dtype=torch.float32))
+    return torch.matmul(s.softmax(dim=-1), v)
+
+
+def _scale_on_q(q, k, v):
+    q = q * q.shape[-1] ** -0.5
+    return torch.softmax(q @ k.mT, -1) @ v
+
+
+def _scale_on_q_and_k(q, k, v):
+    s = q.shape[-1] ** -0.25
+    return torch.softmax((q * s) @ (k * s).transpose(-1, -2), -1) @ v
+
+
+def _no_scale(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+
+def _bmm_3d(q, k, v):
+    B, H, S, D = q.shape
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    s = torch.bmm(q3, k3.transpose(1, 2)) * 0.3
+    return torch.bmm(torch.softmax(s, dim=-1), v3).view(B, H, S, D)
+
+
+def _einsum_bshd(q, k, v):
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qb, kb) * 0.2
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vb).transpose(1, 2)
+
+
+def _einsum_bhsd(q, k, v):
+    s = torch.einsum("b h i d, b h j d -> b h i j", q, k) / 4
+    return torch.einsum("bhij,bhjd->bhid", torch.softmax(s, dim=-1), v)
+
+
+def _upcast_softmax(q, k, v):
+    s = (q @ k.transpose(-2, -1)).float() * 0.25
+    return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _softmax_type_as(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return s.float().softmax(-1).type_as(q) @ v
+
+
+def _tril_masked_fill(q, k, v):
+    S = q.shape[-2]
+    mask = torch.tril(torch.ones(S, S, dtype=torch.bool))
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def _triu_additive(q, k, v):
+    S = q.shape[-2]
+    s = q @ k.transpose(-2, -1) * 0.25 + torch.triu(torch.full((S, S), float("-inf")), diagonal=1)
+    return torch.softmax(s, -1) @ v
+
+
+def _arange_where(q, k, v):
+    i = torch.arange(q.shape[-2])
+    causal = i[None, :] <= i[:, None]
+    s = torch.where(causal, q @ k.transpose(-2, -1) * 0.25, torch.finfo(q.dtype).min)
+    return torch.softmax(s, -1) @ v
+
+
+def _sliding_window_tril(q, k, v):
+    # tril minus a band: constant, but not causal -> the mask is passed through
+    S = q.shape[-2]
+    ones = torch.ones(S, S, dtype=torch.bool)
+    mask = torch.tril(ones) & ~torch.tril(ones, diagonal=-4)
+    return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(mask.logical_not(), float("-inf")), -1) @ v
+
+
+def _masked_fill_inplace_large_negative(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    S = q.shape[-2]
+    s.masked_fill_(torch.ones(S, S).triu(1).bool(), -1e9)
+    return torch.softmax(s, -1) @ v
+
+
+def _gqa_repeat_kv(q, k, v):
+    B, Hkv, S, D = k.shape
+    n = q.shape[1] // Hkv
+    k = k[:, :, None, :, :].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)
+    v = v[:, :, None, :, :].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)
+    return torch.softmax(q @ k.transpose(2, 3) * 0.25, -1) @ v
+
+
+def _gqa_repeat_interleave(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n, dim=1), torch.repeat_interleave(v, n, dim=1)
+    return torch.softmax(q @ k.transpose(2, 3) * 0.25, -1) @ v
+
+
+HAND_WRITTEN = [
+    (_matmul_mul, {}),
+    (_at_div_sqrt, {}),
+    (_sqrt_tensor, {}),
+    (_scale_on_q, {}),
+    (_scale_on_q_and_k, {}),
+    (_no_scale, {}),
+    (_bmm_3d, {}),
+    (_einsum_bshd, {}),
+    (_einsum_bhsd, {}),
+    (_upcast_softmax, {}),
+    (_softmax_type_as, {}),
+    (_tril_masked_fill, {"is_causal": True}),
+    (_triu_additive, {"is_causal": True}),
+    (_arange_where, {"is_causal": True}),
+    (_sliding_window_tril, {"mask": True}),
+    (_masked_fill_inplace_large_negative, {"is_causal": True}),
+    (_gqa_repeat_kv, {"gqa": True}),
+    (_gqa_repeat_interleave, {"gqa": True}),
+]
+
+
+@pytest.mark.parametrize("fn, expect", HAND_WRITTEN, ids=[f.__name__.strip("_") for f, _ in HAND_WRITTEN])
+def test_hand_written_forms_are_rewritten(fn, expect):
+    q, k, v = _qkv(Hkv=2 if expect.get("gqa") else None)
+    (node,) = _check_same(fn, q, k, v)
+    assert node.kwargs["is_causal"] is expect.get("is_causal", False)
+    assert (node.kwargs["attn_mask"] is not None) is expect.get("mask", False)
+    if expect.get("gqa"):
+        assert node.args[1].meta["example_value"].shape[1] == 2  # the un-repeated k
+
+
+def test_scale_is_folded_exactly():
+    q, k, v = _qkv()
+    _, graphs = _run_rewritten(_at_div_sqrt, q, k, v)
+    assert _flash_nodes(graphs)[0].kwargs["scale"] == pytest.approx(0.25)
+    _, graphs = _run_rewritten(_no_scale, q, k, v)
+    assert _flash_nodes(graphs)[0].kwargs["scale"] == 1.0  # not SDPA's default 1/sqrt(d)
+
+
+def test_padding_mask_where_and_additive():
+    q, k, v = _qkv(B=3, S=10)
+    lengths = torch.tensor([10, 6, 3])
+    pad = torch.arange(10)[None, :] >= lengths[:, None]  # (B, S) True = padding
+
+    def where_pad(q, k, v, pad):
+        s = q @ k.transpose(-2, -1) * 0.25
+        s = torch.where(pad[:, None, None, :], torch.tensor(float("-inf")), s)
+        return torch.softmax(s, dim=-1) @ v
+
+    def additive_pad(q, k, v, pad):
+        bias = (pad[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+        return torch.softmax(bias + q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+    for fn in (where_pad, additive_pad):
+        (node,) = _check_same(fn, q, k, v, pad)
+        assert node.kwargs["attn_mask"] is not None and node.kwargs["is_causal"] is False
+
+
+def test_dropout_respects_training_flag():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            return self.drop(torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)) @ v
+
+    m = Attn()
+    q, k, v = _qkv()
+    _, graphs = _run_rewritten(m.train(), q, k, v)
+    assert _flash_nodes(graphs)[0].kwargs["dropout_p"] == pytest.approx(0.1)
+    (node,) = _check_same(m.eval(), q, k, v)
+    assert node.kwargs["dropout_p"] == 0.0
+
+    def functional(q, k, v):
+        return F.dropout(torch.softmax(q @ k.transpose(-2, -1), -1), p=0.2, training=False) @ v
+
+    assert _check_same(functional, q, k, v)[0].kwargs["dropout_p"] == 0.0
+
+
+def test_rewritten_graph_holds_flash_attention_only():
+    q, k, v = _qkv()
+    _, graphs = _run_rewritten(_tril_masked_fill, q, k, v)
+    targets = [n.target for n in graphs[0].nodes if n.op in ("call_function", "call_method")]
+    assert targets == [flash_attention]  # scores, mask, softmax and both matmuls are gone
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_upcast_softmax(dtype):
+    q, k, v = (t.to(dtype) for t in _qkv(D=32))
+    ref32 = _upcast_softmax(q.float(), k.float(), v.float())
+    out, _ = _run_rewritten(_upcast_softmax, q, k, v)
+    assert _rewrites() == (1, 0)
+    eager_err = (_upcast_softmax(q, k, v).float() - ref32).abs().max()
+    assert (out.float() - ref32).abs().max() <= 2 * eager_err + 1e-3
+
+
+# --------------------------------------------------------------------------------------------------------
+# SDPA calls
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "bool_mask", "float_mask", "scale", "gqa", "3d", "const_causal_mask"]
+)
+def test_sdpa_calls_are_routed(case):
+    q, k, v = _qkv(Hkv=2 if case == "gqa" else None)
+    S = q.shape[-2]
+    bool_mask = torch.rand(2, 1, S, S) > 0.3
+    bool_mask[..., 0] = True
+    float_mask = torch.randn(1, 4, S, S)
+
+    def fn(q, k, v):
+        if case == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if case == "bool_mask":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+        if case == "float_mask":
+            return F.scaled_dot_product_attention(q, k, v, float_mask)
+        if case == "scale":
+            return F.scaled_dot_product_attention(q, k, v, scale=0.1)
+        if case == "gqa":
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        if case == "3d":
+            return F.scaled_dot_product_attention(q[0], k[0], v[0])
+        if case == "const_causal_mask":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(S, S, dtype=torch.bool).tril()
+            )
+        return F.scaled_dot_product_attention(q, k, v)
+
+    (node,) = _check_same(fn, q, k, v)
+    assert node.kwargs["is_causal"] is (case in ("causal", "const_causal_mask"))
+
+
+def test_sdpa_dropout_is_passed_through():
+    q, k, v = _qkv()
+    _, graphs = _run_rewritten(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3), q, k, v
+    )
+    assert _flash_nodes(graphs)[0].kwargs["dropout_p"] == pytest.approx(0.3)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Near misses: left alone, counted, reported with the reason
+# --------------------------------------------------------------------------------------------------------
+
+
+def _probs_returned(q, k, v):
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return p @ v, p
+
+
+def _scores_reused(q, k, v):
+    s = q @ k.transpose(-2, -1)
+    return torch.softmax(s, -1) @ v, s.amax()
+
+
+def _softmax_other_dim(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v
+
+
+def _k_permuted_wrongly(q, k, v):
+    # (H, B, D, S): swaps batch and heads as well as the last two dims
+    return torch.softmax(q @ k.permute(1, 0, 3, 2), dim=-1) @ v
+
+
+def _mask_too_big(q, k, v, m):
+    return torch.softmax(q @ k.transpose(-2, -1) + m, dim=-1) @ v
+
+
+def _mask_small_fill(q, k, v):
+    S = q.shape[-2]
+    m = torch.ones(S, S, dtype=torch.bool).triu(1)
+    return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(m, -5.0), dim=-1) @ v
+
+
+def _learned_scale(q, k, v, t):
+    return torch.softmax(q @ k.transpose(-2, -1) * t, dim=-1) @ v
+
+
+def _scale_after_bias(q, k, v, bias):
+    return torch.softmax((q @ k.transpose(-2, -1) + bias) * 0.25, dim=-1) @ v
+
+
+def _downcast(q, k, v):
+    s = (q @ k.transpose(-2, -1)).to(torch.bfloat16)
+    return torch.softmax(s, -1).float() @ v
+
+
+NEAR_MISSES = [
+    (_probs_returned, "also returned"),
+    (_scores_reused, "other users"),
+    (_softmax_other_dim, "softmax over dim"),
+    (_k_permuted_wrongly, "not by a swap of its last two dims"),
+    (_mask_too_big, "does not broadcast"),
+    (_mask_small_fill, "not -inf or a large negative"),
+    (_learned_scale, "not a compile-time constant"),
+    (_scale_after_bias, "scaled after an additive mask"),
+    (_downcast, "less precise"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", NEAR_MISSES, ids=[f.__name__.strip("_") for f, _ in NEAR_MISSES])
+def test_near_misses_are_left_alone_and_reported(fn, reason):
+    q, k, v = _qkv(B=4, H=4)
+    extra = {
+        "_learned_scale": (torch.tensor(0.3, requires_grad=True),),
+        "_scale_after_bias": (torch.randn(4, 4, 12, 12),),
+        "_mask_too_big": (torch.randn(3, 4, 4, 12, 12),),
+    }.get(fn.__name__, ())
+    torch._dynamo.reset()
+    counters.clear()
+    report = flash_backend.explain(fn, q, k, v, *extra, print_report=False)
+    assert _rewrites() == (0, 1)
+    (decision,) = [d for d in report.near_misses if d.family == "attention"]
+    assert reason in decision.detail, decision.line()
+    torch.testing.assert_close(
+        torch.compile(fn, backend=rewrite_only_backend)(q, k, v, *extra), fn(q, k, v, *extra)
+    )
+
+
+def test_sdpa_near_misses():
+    q, k, v = _qkv(D=12)  # head_dim 12: not a multiple of 8
+    report = flash_backend.explain(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, print_report=False
+    )
+    assert _rewrites() == (0, 1) and "head_dim" in report.near_misses[0].detail
+    q, k, v = (t.unsqueeze(0) for t in _qkv())  # 5-d: SDPA's math path takes it, the flash op does not
+    torch._dynamo.reset()
+    counters.clear()
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    report = flash_backend.explain(fn, q, k, v, print_report=False)
+    assert _rewrites() == (0, 1) and "5-d" in report.near_misses[0].detail
+    torch.testing.assert_close(torch.compile(fn, backend=rewrite_only_backend)(q, k, v), fn(q, k, v))
+
+
+def test_softmax_that_is_not_attention_is_not_reported():
+    lin = nn.Linear(16, 10)
+    report = flash_backend.explain(
+        lambda x: torch.softmax(lin(x), -1), torch.randn(3, 16), print_report=False
+    )
+    assert not [d for d in report.decisions if d.family == "attention"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Models: a nanoGPT block, a hand-written padded MHA, transformers GPT-2 / BERT / ViT
+# --------------------------------------------------------------------------------------------------------
+
+
+class NanoGPTBlock(nn.Module):
+    """nanoGPT's CausalSelfAttention (the slow path) inside a pre-LN block."""
+
+    def __init__(self, n_embd=64, n_head=4, block_size=32, dropout=0.0):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.attn_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer(
+            "bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        )
+
+    def attn(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        y = att @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class PaddedMHA(nn.Module):
+    """Hand-written multi-head attention over padded batches (True = padding)."""
+
+    def __init__(self, d=64, h=4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, pad):
+        B, S, _ = x.shape
+        q, k, v = (lin(x).view(B, S, self.h, self.dh).permute(0, 2, 1, 3) for lin in (self.q, self.k, self.v))
+        s = torch.matmul(q, k.permute(0, 1, 3, 2)) / torch.sqrt(torch.tensor(self.dh, dtype=torch.float32))
+        s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o(torch.matmul(p, v).transpose(1, 2).reshape(B, S, -1))
+
+
+def _pad_mask(B, S):
+    lengths = torch.randint(S // 2, S + 1, (B,))
+    lengths[0] = S
+    return torch.arange(S)[None, :] >= lengths[:, None]
+
+
+def _gpt2(impl, layers=2):
+    cfg = transformers.GPT2Config(
+        n_layer=layers,
+        n_embd=64,
+        n_head=4,
+        vocab_size=97,
+        n_positions=64,
+        attn_implementation=impl,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _bert(impl, layers=2):
+    cfg = transformers.BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=97,
+        attn_implementation=impl,
+    )
+    return transformers.BertModel(cfg)
+
+
+def _vit(impl, layers=2):
+    cfg = transformers.ViTConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+        attn_implementation=impl,
+    )
+    return transformers.ViTModel(cfg)
+
+
+def _model_case(name, impl):
+    B, S = 2, 16
+    if name == "gpt2":
+        ids = torch.randint(1, 97, (B, S))
+        return _gpt2(impl), {"input_ids": ids, "labels": ids}
+    if name == "gpt2_padded":
+        ids = torch.randint(1, 97, (B, S))
+        am = (~_pad_mask(B, S)).long()
+        return _gpt2(impl), {"input_ids": ids, "attention_mask": am}
+    if name == "bert":
+        am = (~_pad_mask(B, S)).long()
+        return _bert(impl), {"input_ids": torch.randint(1, 97, (B, S)), "attention_mask": am}
+    return _vit(impl), {"pixel_values": torch.randn(B, 3, 32, 32)}
+
+
+def _loss(out):
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    for name in ("last_hidden_state", "logits"):
+        if getattr(out, name, None) is not None:
+            out = getattr(out, name)
+    return out.float().square().mean()
+
+
+def _check_model(model, inputs, rewrites, backend=rewrite_only_backend, tol=None):
+    """Compiled model: rewrite count, loss and parameter gradients equal eager's."""
+    tol = tol or dict(atol=1e-5, rtol=1e-4)
+    compiled_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    loss_c = _loss(torch.compile(compiled_model, backend=backend)(**inputs))
+    loss_e = _loss(model(**inputs))
+    assert _rewrites() == (rewrites, 0)
+    torch.testing.assert_close(loss_c, loss_e, **tol)
+    loss_c.backward()
+    loss_e.backward()
+    for (name, pc), pe in zip(compiled_model.named_parameters(), model.parameters(), strict=True):
+        if pe.grad is not None:
+            torch.testing.assert_close(pc.grad, pe.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_padded", "bert", "vit"])
+def test_transformers_models_every_layer(name, impl, training):
+    torch.manual_seed(0)
+    model, inputs = _model_case(name, impl)
+    # Numerics need the same dropout masks: train mode keeps its graph (dropout p stays in the rewrite:
+    # see test_transformers_dropout_reaches_the_op) but the probabilities' dropout is set to 0 here.
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for cfg_name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"):
+        if hasattr(model.config, cfg_name):
+            setattr(model.config, cfg_name, 0.0)
+    model.train(training)
+    _check_model(model, inputs, rewrites=2)
+
+
+def test_transformers_gpt2_causal_mask_becomes_is_causal():
+    model, inputs = _model_case("gpt2", "eager")
+    report = flash_backend.explain(model.eval(), print_report=False, **inputs)
+    attention = [d for d in report.rewrites if d.family == "attention"]
+    assert len(attention) == 2 and all("causal" in d.detail for d in attention)
+
+
+def test_transformers_dropout_reaches_the_op():
+    model, inputs = _model_case("bert", "eager")
+    report = flash_backend.explain(model.train(), print_report=False, **inputs)
+    assert [d.detail for d in report.rewrites if d.family == "attention"] == [
+        "flash_attention(scale=0.25, mask, dropout=0.1)"
+    ] * 2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_output_attentions_is_left_alone(name):
+    model, inputs = _model_case(name, "eager")
+    report = flash_backend.explain(model.eval(), output_attentions=True, print_report=False, **inputs)
+    assert _rewrites() == (0, 2)
+    assert all("also returned" in d.detail for d in report.near_misses if d.family == "attention")
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_nanogpt_block_and_padded_mha(training):
+    torch.manual_seed(0)
+    block = NanoGPTBlock().train(training)
+    x = torch.randn(3, 20, 64)
+    _check_model(block, {"x": x}, rewrites=1)
+    mha = PaddedMHA().train(training)
+    _check_model(mha, {"x": x, "pad": _pad_mask(3, 20)}, rewrites=1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# End to end through Inductor (backend="flash"): few, they are slow on CPU
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_flash_backend_nanogpt_training_and_dynamic_shapes():
+    torch.manual_seed(0)
+    block = NanoGPTBlock(dropout=0.0).train()
+    _check_model(block, {"x": torch.randn(2, 16, 64)}, rewrites=1, backend="flash")
+    compiled = torch.compile(copy.deepcopy(block), backend="flash", dynamic=True)
+    for T in (9, 24):
+        x = torch.randn(2, T, 64)
+        torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-4)
+    assert counters["flash"]["attention_skipped"] == 0
+
+
+def test_flash_backend_gpt2_sdpa_training():
+    torch.manual_seed(0)
+    model, inputs = _model_case("gpt2", "sdpa")
+    model.config.attn_pdrop = 0.0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    _check_model(model.train(), inputs, rewrites=2, backend="flash")
+
+
+def test_flash_backend_bert_eager_inference():
+    torch.manual_seed(0)
+    model, inputs = _model_case("bert", "eager")
+    with torch.no_grad():
+        torch._dynamo.reset()
+        counters.clear()
+        out = torch.compile(model.eval(), backend="flash")(**inputs).last_hidden_state
+        assert _rewrites() == (2, 0)
+        torch.testing.assert_close(out, model(**inputs).last_hidden_state, atol=1e-5, rtol=1e-4)
