@@ -13,19 +13,24 @@ One pass over memory in each direction. Trade-offs:
   one read of h is cheaper than re-reading x and residual. When h is x, nothing is written and backward
   reads x.
 - The norm sees h *after* rounding to residual_out's dtype, as eager `F.layer_norm(dropout(x) + res)` does.
-- A row up to `_MAX_FUSED_N` columns lives in registers (one pass); wider rows (up to 65536) loop over
-  chunks: Welford/Chan statistics in a first pass that also writes h, normalisation in a second pass that
-  re-reads h (from L2). Backward keeps the partial dW/dB of several rows in registers per program, like
-  flash-attn's layer_norm.py, and sums the per-program partials afterwards; for chunked rows the partials
-  are accumulated in the program's own row of the partial buffer instead.
+- A row of up to `_MAX_FUSED_N_FWD` / `_MAX_FUSED_N_BWD` columns lives in registers (one pass); wider
+  rows (up to 65536) loop over chunks, at the cost of re-reading h (and dy in backward) once. Backward
+  keeps each program's partial dW/dB in registers over several rows, like flash-attn's layer_norm.py, and
+  sums the per-program partials afterwards. The kernels live in flash_backend/kernels/.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from flash_backend.kernels.add_dropout_norm_kernels import (
+    _add_dropout_norm_bwd_kernel,
+    _add_dropout_norm_fwd_kernel,
+)
 
 MAX_N = 65536
 _MAX_FUSED_N_FWD = 16384
@@ -35,6 +40,7 @@ _MIN_BLOCK_N = 16
 _FWD_ELEMS_PER_THREAD = 16
 _BWD_ELEMS_PER_THREAD = 8
 _BWD_WARPS_PER_SM = 32
+_BWD_NUM_STAGES = None  # None: Triton's default
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
 # Philox-4x32 constants, as in triton.language.random.philox_impl.
@@ -200,276 +206,6 @@ def _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N: tl.constexpr):
-    """Keep-mask of BLOCK_N columns from col_start (a multiple of 4): one Philox call per 4 columns."""
-    quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
-    r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_N,))
-    return (r >> (32 - 24)).to(tl.int32) >= threshold
-
-
-@triton.jit
-def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, threshold, dropout_scale,
-                     stride_x_row, stride_res_row, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr):
-    cols = col_start + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DROPOUT:
-        h = tl.where(_dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N), h * dropout_scale, 0.0)
-    if HAS_RESIDUAL:
-        h += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
-    return h
-
-
-@triton.jit
-def _add_dropout_norm_fwd_kernel(
-    X,  # (M, N) input
-    RESIDUAL,  # (M, N) residual, when HAS_RESIDUAL
-    WEIGHT,  # (N,)
-    BIAS,  # (N,)
-    SEED,  # (1,) int64 dropout seed
-    OUT,  # (M, N) normalised output
-    RESIDUAL_OUT,  # (M, N) h = dropout(x) + residual, when STORE_RESIDUAL_OUT
-    MEAN,  # (M,) fp32, LayerNorm only
-    RSTD,  # (M,) fp32
-    stride_x_row,  # row strides; columns are contiguous
-    stride_res_row,
-    stride_out_row,
-    stride_res_out_row,
-    N,
-    n_quads,  # cdiv(N, 4): Philox counters per row
-    eps,
-    dropout_threshold,
-    dropout_scale,
-    BLOCK_N: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,  # 1: the row fits in registers; else loop over BLOCK_N-wide chunks
-    IS_RMS_NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    STORE_RESIDUAL_OUT: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
-                             stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT)
-        if STORE_RESIDUAL_OUT:
-            h = h.to(RESIDUAL_OUT.dtype.element_ty)
-            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        if IS_RMS_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
-            y = h * rstd
-        else:
-            mean = tl.sum(h, axis=0) / N
-            hc = tl.where(mask, h - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
-            tl.store(MEAN + row, mean)
-            y = hc * rstd
-        tl.store(RSTD + row, rstd)
-        if HAS_WEIGHT:
-            y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
-        tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
-    else:
-        # Pass 1: h chunk by chunk (written out), statistics merged with Chan's formula.
-        mean = 0.0
-        m2 = 0.0
-        for c in range(NUM_CHUNKS):
-            col_start = c * BLOCK_N
-            cols = col_start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            h = _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, dropout_threshold,
-                                 dropout_scale, stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL,
-                                 HAS_DROPOUT)
-            if STORE_RESIDUAL_OUT:
-                h = h.to(RESIDUAL_OUT.dtype.element_ty)
-                tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
-                h = h.to(tl.float32)
-            if IS_RMS_NORM:
-                m2 += tl.sum(h * h, axis=0)
-            else:
-                n_prev = (col_start * 1.0)
-                n_c = tl.minimum(N - col_start, BLOCK_N) * 1.0
-                mean_c = tl.sum(h, axis=0) / n_c
-                hc = tl.where(mask, h - mean_c, 0.0)
-                delta = mean_c - mean
-                total = n_prev + n_c
-                mean += delta * (n_c / total)
-                m2 += tl.sum(hc * hc, axis=0) + delta * delta * (n_prev * n_c / total)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        if not IS_RMS_NORM:
-            tl.store(MEAN + row, mean)
-        tl.store(RSTD + row, rstd)
-        tl.debug_barrier()
-        # Pass 2: re-read h (hot in L2) and normalise.
-        for c in range(NUM_CHUNKS):
-            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            if STORE_RESIDUAL_OUT:
-                h = tl.load(RESIDUAL_OUT + row * stride_res_out_row + cols, mask=mask, other=0.0)
-            else:
-                h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0)
-            h = h.to(tl.float32)
-            if IS_RMS_NORM:
-                y = h * rstd
-            else:
-                y = (h - mean) * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
-            if HAS_BIAS:
-                y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
-            tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
-                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
-    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if IS_RMS_NORM:
-        xhat = h * rstd
-    else:
-        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
-    if HAS_WEIGHT:
-        wdy = dy * tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        wdy = dy
-    return dy, xhat, wdy
-
-
-@triton.jit
-def _add_dropout_norm_bwd_kernel(
-    H,  # (M, N) the pre-norm sum h (or x when h is x)
-    DY,  # (M, N) grad of out
-    DRESIDUAL_OUT,  # (M, N) grad of residual_out, when HAS_DRESIDUAL_OUT
-    WEIGHT,  # (N,)
-    MEAN,  # (M,) fp32, LayerNorm only
-    RSTD,  # (M,) fp32
-    SEED,  # (1,) int64 dropout seed
-    DX,  # (M, N) grad of x
-    DRESIDUAL,  # (M, N) grad of residual, when STORE_DRESIDUAL
-    DW_PARTIAL,  # (programs, N) fp32 per-program partial dW
-    DB_PARTIAL,  # (programs, N) fp32 per-program partial dB
-    stride_h_row,  # row strides; columns are contiguous
-    stride_dy_row,
-    stride_dres_out_row,
-    stride_dx_row,
-    stride_dres_row,
-    M,
-    N,
-    n_quads,
-    dropout_threshold,
-    dropout_scale,
-    ROWS_PER_PROGRAM: tl.constexpr,  # a power of two; rows past M are masked off
-    BLOCK_N: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    IS_RMS_NORM: tl.constexpr,
-    HAS_DRESIDUAL_OUT: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
-    STORE_DRESIDUAL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row_start = pid * ROWS_PER_PROGRAM
-    seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for i in range(ROWS_PER_PROGRAM):
-            r = row_start + i
-            row = tl.minimum(r, M - 1).to(tl.int64)
-            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            mask = (cols < N) & (r < M)
-            dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                            stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
-            if HAS_WEIGHT:
-                dw += dy * xhat
-            if HAS_BIAS:
-                db += dy
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            if IS_RMS_NORM:
-                dh = (wdy - xhat * c1) * rstd
-            else:
-                c2 = tl.sum(wdy, axis=0) / N
-                dh = (wdy - (xhat * c1 + c2)) * rstd
-            if HAS_DRESIDUAL_OUT:
-                dh += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0).to(
-                    tl.float32)
-            if STORE_DRESIDUAL:
-                tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty),
-                         mask=mask)
-            if HAS_DROPOUT:
-                keep = _dropout_keep(seed, row, 0, n_quads, dropout_threshold, BLOCK_N)
-                dh = tl.where(keep, dh * dropout_scale, 0.0)
-            tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
-        if HAS_BIAS:
-            tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
-    else:
-        for i in range(ROWS_PER_PROGRAM):
-            r = row_start + i
-            row = tl.minimum(r, M - 1).to(tl.int64)
-            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            # Pass 1: the two row reductions.
-            s1 = 0.0
-            s2 = 0.0
-            for c in range(NUM_CHUNKS):
-                cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = (cols < N) & (r < M)
-                dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
-                s1 += tl.sum(xhat * wdy, axis=0)
-                s2 += tl.sum(wdy, axis=0)
-            c1 = s1 / N
-            c2 = s2 / N
-            # Pass 2: gradients; this program's own partial dW/dB row accumulates in memory.
-            for c in range(NUM_CHUNKS):
-                col_start = c * BLOCK_N
-                cols = col_start + tl.arange(0, BLOCK_N)
-                mask = (cols < N) & (r < M)
-                dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
-                if HAS_WEIGHT:
-                    dw = tl.load(DW_PARTIAL + pid * N + cols, mask=mask, other=0.0)
-                    tl.store(DW_PARTIAL + pid * N + cols, dw + dy * xhat, mask=mask)
-                if HAS_BIAS:
-                    db = tl.load(DB_PARTIAL + pid * N + cols, mask=mask, other=0.0)
-                    tl.store(DB_PARTIAL + pid * N + cols, db + dy, mask=mask)
-                if IS_RMS_NORM:
-                    dh = (wdy - xhat * c1) * rstd
-                else:
-                    dh = (wdy - (xhat * c1 + c2)) * rstd
-                if HAS_DRESIDUAL_OUT:
-                    dh += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0).to(
-                        tl.float32)
-                if STORE_DRESIDUAL:
-                    tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty),
-                             mask=mask)
-                if HAS_DROPOUT:
-                    keep = _dropout_keep(seed, row, col_start, n_quads, dropout_threshold, BLOCK_N)
-                    dh = tl.where(keep, dh * dropout_scale, 0.0)
-                tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Launchers (also called directly by the interpreter tests, on CPU tensors)
 # ----------------------------------------------------------------------------------------------------------
 
@@ -523,9 +259,14 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
     return out, residual_out, mean, rstd
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_programs(device: torch.device, m: int, num_warps: int) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         return min(m, sms * max(1, _BWD_WARPS_PER_SM // num_warps))
     return min(m, 4)
 
@@ -550,9 +291,9 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     # A power of two, so that varying M compiles only a few variants.
     rows_per_program = triton.next_power_of_2(triton.cdiv(m, programs))
     programs = triton.cdiv(m, rows_per_program)
-    alloc = torch.zeros if num_chunks > 1 else torch.empty
-    dw_partial = alloc((programs, n) if weight is not None else (0,), dtype=torch.float32, device=h.device)
-    db_partial = alloc((programs, n) if bias is not None else (0,), dtype=torch.float32, device=h.device)
+    f32 = dict(dtype=torch.float32, device=h.device)
+    dw_partial = torch.empty((programs, n) if weight is not None else (0,), **f32)
+    db_partial = torch.empty((programs, n) if bias is not None else (0,), **f32)
     has_dropout = dropout_p > 0.0
     kernel = (launch or (lambda k: k))(_add_dropout_norm_bwd_kernel)
     kernel[(programs,)](
@@ -564,6 +305,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         ROWS_PER_PROGRAM=rows_per_program, BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
+        **({"num_stages": _BWD_NUM_STAGES} if _BWD_NUM_STAGES else {}),
     )
     if weight is not None:
         dweight.copy_(dw_partial.sum(0))
