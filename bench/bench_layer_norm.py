@@ -10,7 +10,11 @@ Bytes that must move, per element (e = 2 bytes for bf16; weight/bias are added b
 No dropout mask is counted: ours regenerates it from a seed. shared/ANCHORS.md counted a 1-byte mask in
 fwd (9 B/elem), so its TB/s figures are 9/8 of what the same time gives in this count.
 
-Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--quick]
+Each implementation is timed twice: `ms` as called from Python (do_bench; includes launch overhead, which
+is what an eager user sees), and `graph ms` with the step captured in a CUDA graph and replayed (the GPU
+time alone, what CUDA graphs / reduce-overhead users see). Ratios "x Inductor" are Inductor's time / ours.
+
+Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,eager,inductor]
 """
 
 from __future__ import annotations
@@ -57,6 +61,24 @@ def make_case(n: int, is_rms_norm: bool, requires_grad: bool):
         requires_grad)
     grads = (torch.randn(M, n, device="cuda", dtype=DTYPE), torch.randn(M, n, device="cuda", dtype=DTYPE))
     return (x, residual, weight, bias), grads
+
+
+def graph_ms(step) -> float | None:
+    """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return bench_ms(graph.replay)
+    except Exception as e:  # report, keep benchmarking the rest
+        print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
 
 
 def copy_tbps() -> float:
@@ -107,19 +129,26 @@ def main():
                         step()  # compile / warm
                         compile_s = time.time() - t0
                         ms = bench_ms(step)
-                    ms_by_impl[impl] = ms
+                        gms = graph_ms(step)
+                    ms_by_impl[impl] = (ms, gms)
                     case = {"M": M, "N": n, "dtype": "bf16", "dropout_p": P, "norm": norm}
-                    res.add(impl, mode, case, ms, tbps=nbytes / ms / 1e9, compile_s=round(compile_s, 1))
+                    res.add(impl, mode, case, ms, tbps=nbytes / ms / 1e9, compile_s=round(compile_s, 1),
+                            graph_ms=gms and round(gms, 5), graph_tbps=gms and round(nbytes / gms / 1e9, 3))
                     res.write()
-                    print(f"N={n} {norm} {mode} {impl}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s", flush=True)
+                    print(f"N={n} {norm} {mode} {impl}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s; graph "
+                          f"{gms or float('nan'):.4f} ms", flush=True)
                     torch._dynamo.reset()
-                for impl, ms in ms_by_impl.items():
-                    ind = ms_by_impl.get("inductor")
-                    table.append([n, norm, mode, impl, ms, nbytes / ms / 1e9, nbytes / ms / 1e9 / copy,
-                                  ind / ms if ind else float("nan")])
+                nan = float("nan")
+                ind, ind_g = ms_by_impl.get("inductor", (None, None))
+                for impl, (ms, gms) in ms_by_impl.items():
+                    table.append([n, norm, mode, impl, ms, nbytes / ms / 1e9, ind / ms if ind else nan,
+                                  gms or nan, nbytes / gms / 1e9 if gms else nan,
+                                  nbytes / gms / 1e9 / copy if gms else nan,
+                                  ind_g / gms if ind_g and gms else nan])
                 del inputs, grads, params
     res.write()
-    print(markdown_table(["N", "norm", "mode", "impl", "ms", "TB/s", "of copy", "x Inductor"], table))
+    print(markdown_table(["N", "norm", "mode", "impl", "ms", "TB/s", "x Inductor", "graph ms", "graph TB/s",
+                          "graph of copy", "graph x Inductor"], table))
 
 
 if __name__ == "__main__":
