@@ -180,8 +180,8 @@ def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
     return False
 
 
-# Names of dynamo's float inputs (zf0, ...) that this run of the pass specialised; see rewrite().
-_float_inputs_to_specialise: list[str] = []
+# The symbols of dynamo's float inputs (zf0, ...) that this run of the pass specialised; see rewrite().
+_float_inputs_to_specialise: list = []
 
 
 def _is_scalar(value: object) -> bool:
@@ -204,7 +204,7 @@ def _constant(value: object, what: str) -> float:
             pass
         else:
             if isinstance(v, torch.SymFloat) and symbol is not None:
-                _float_inputs_to_specialise.extend(str(s) for s in symbol.free_symbols)
+                _float_inputs_to_specialise.extend(symbol.free_symbols)
             return constant
     raise _Miss(f"{what} is not a constant number ({getattr(value, 'name', value)!r})")
 

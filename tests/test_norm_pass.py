@@ -507,6 +507,13 @@ def test_near_miss_intermediate_with_other_users():
 # --------------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_autograd_cache(monkeypatch):
+    # torch 2.13 runs the pre-grad passes (ours) after the AOTAutograd cache lookup: on a hit from an
+    # earlier test run the graph is rewritten as before but nothing is counted.
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
+
+
 def _compile_flash(model, **kw):
     return torch.compile(model, backend="flash", fullgraph=True, **kw)
 
