@@ -24,20 +24,25 @@ except ImportError:  # pragma: no cover - older layout
 try:
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
 except ImportError:  # pragma: no cover - a torch without dynamic float inputs
     TensorifyScalarRestartAnalysis = TensorifyState = None
 
 
-def restart_with_specialised_floats(names) -> None:
-    """Ask dynamo to retrace with these float inputs (symbols such as 'zf0') as constants.
+def restart_with_specialised_floats(symbols) -> None:
+    """Ask dynamo to retrace with these float-input symbols (zf0, ...) as constants.
 
     A backend that bakes in the value of a dynamic float input (dynamic=True turns module float attributes
-    into graph inputs) raises this, as Inductor's tensorify pass does; without the mechanism, the guard
-    the caller took on the value is enough and nothing is raised.
+    into graph inputs) raises this, as Inductor's tensorify pass does. Symbols already marked, or not
+    float inputs, or a torch without the mechanism: nothing is raised, the caller's guard is enough.
     """
     if TensorifyState is None:
         return
-    for name in names:
+    names = {str(s) for s in symbols if symbol_is_type(s, SymT.FLOAT)}
+    names = {n for n in names if not TensorifyState.should_specialize(n)}
+    if not names:
+        return
+    for name in sorted(names):
         TensorifyState.specialize(name)
     raise TensorifyScalarRestartAnalysis
 
