@@ -17,12 +17,14 @@ value; ``/ sqrt`` or ``* rsqrt``) and RMSNorm written out (Llama: mean of ``x**2
   or ``dropout(x)``; when that tensor has other users (pre-norm blocks), they read the op's
   residual output instead (``return_residual=True``).
 
-The trade-off is the one the pass contract asks for: a candidate is rewritten whole or not at all.
-Every structural fact (last dim only, keepdim, biased variance, constant eps and dropout p, no
-intermediate with outside users, weight shape) is checked on the graph, and the result dtype and
-shape are checked by running the fused op on the fake inputs: a rewrite whose output dtype differs
-from eager's (bf16 x + fp32 residual, Llama without the final downcast) is a near miss, never a
-silent promotion. Each candidate left alone is reported with its reason.
+The trade-off is the one the pass contract asks for: only what is provably the same function is
+rewritten. Structural facts (last dim only, keepdim, biased variance, constant eps and dropout p, no
+intermediate with outside users, weight shape (N,)) are checked on the graph; the result dtype and shape
+by running the fused op on the fake inputs, most fused form first (upcasts folded, whole affine tail),
+then keeping an upcast as the op's input or leaving trailing casts / affine ops after the op, where they
+run as eager ran them (a bf16 norm times an fp32 weight promotes there). When no form gives eager's
+dtype and shape, or a structural check fails, the candidate is left alone whole, never silently
+promoted, and reported with its reason.
 """
 
 from __future__ import annotations
@@ -481,7 +483,7 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
     if any(m is None or not _same_shape(m, t) for m in metas):
         return [_Inputs(h, None, 0.0, [], None)]
     a, b = pair
-    drops = [(d, r) for d, r in ((a, b), (b, a)) if is_op(d, "dropout")]
+    drops = [(d, r) for d, r in ((a, b), (b, a)) if is_op(d, "dropout") and d is not r]
     if drops:
         d, r = drops[0]
         if len(d.users) > 1:
