@@ -553,7 +553,8 @@ def _fake_result(fn, args, kwargs):
     return result
 
 
-def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> tuple[set[torch.fx.Node], str]:
+def _choose(fn, core: _Core):
+    """The most fused way to call the op that gives eager's result: (core, inputs, end node, plan)."""
     _check_inner(core)
     _widen_tail(core)
     for w, what in ((core.weight, "weight"), (core.bias, "bias")):
@@ -578,11 +579,12 @@ def _rewrite_one(graph: torch.fx.Graph, fn, core: _Core) -> tuple[set[torch.fx.N
                 except _Miss as miss:
                     first_miss = first_miss or miss
                     continue
-                return _apply(graph, fn, pattern_core, inputs, end, plan)
+                return pattern_core, inputs, end, plan
     raise first_miss
 
 
 def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> tuple[set[torch.fx.Node], str]:
+    """Insert the op call, reroute the users of what it replaces, erase the pattern."""
     args, kwargs, return_residual, pattern = plan
     fused = insert_call(graph, fn, args, kwargs, like=core.anchor)
     if return_residual:
@@ -621,14 +623,17 @@ def rewrite(graph: torch.fx.Graph) -> None:
                     core = _match_rms(node)
             if core is None:
                 continue
-            pattern, description = _rewrite_one(graph, fn, core)
-            done |= pattern
-            decisions.append((record_rewrite, (FAMILY, description, _OP_NAME, core.anchor)))
-        except _Miss as miss:
+            choice = _choose(fn, core)
+        except Exception as e:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
+            reason = str(e) if isinstance(e, _Miss) else f"matcher error {type(e).__name__}: {e}"
             variant = core.variant if core is not None else variant
-            decisions.append((record_near_miss, (FAMILY, variant, str(miss), node)))
+            decisions.append((record_near_miss, (FAMILY, variant, reason, node)))
             if core is not None:
                 done |= core.inner
+            continue
+        pattern, description = _apply(graph, fn, *choice)
+        done |= pattern
+        decisions.append((record_rewrite, (FAMILY, description, _OP_NAME, core.anchor)))
     if _float_inputs_to_specialise:
         # dynamic=True made a module float (eps, dropout p) a graph input, and the rewrite baked its
         # value in. Inductor would specialise it anyway and restart dynamo's analysis, running this pass
