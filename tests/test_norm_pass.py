@@ -584,3 +584,23 @@ def test_e2e_dynamic_shapes_no_recompile():
         torch.testing.assert_close(compiled(x), m(x), atol=1e-4, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["flash"]["norm"] == 1
+
+
+@pytest.mark.cuda
+def test_e2e_cuda_bf16_blocks():
+    # On the GPU the rewritten norms run the Triton kernels: GPT-2 (LayerNorm, pre-norm) and Llama (RMSNorm).
+    for block in (GPT2Block, LlamaBlock):
+        counters.clear()
+        torch._dynamo.reset()
+        m = block(n=1000).to("cuda", torch.bfloat16)
+        x = torch.randn(4, 33, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        got = _compile_flash(m)(x)
+        assert counters["flash"]["norm"] == 2
+        expected = m(x)
+        reference = m.float()(x.float())
+        m.to(torch.bfloat16)
+        eager_err = (expected.float() - reference).abs().max().item()
+        flash_err = (got.float() - reference).abs().max().item()
+        assert flash_err <= 2 * eager_err + 1e-2, (block.__name__, flash_err, eager_err)
+        got.float().square().sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
