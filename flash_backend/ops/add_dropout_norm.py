@@ -217,8 +217,8 @@ def _block_and_chunks(n: int, max_fused: int) -> tuple[int, int]:
     return max_fused, triton.cdiv(n, max_fused)
 
 
-def _num_warps(block_n: int, elems_per_thread: int) -> int:
-    return min(max(block_n // (32 * elems_per_thread), 1), 16)
+def _num_warps(block_n: int, elems_per_thread: int, max_warps: int) -> int:
+    return min(max(block_n // (32 * elems_per_thread), 1), max_warps)
 
 
 def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -254,7 +254,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
         n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
-        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD),
+        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD, 16),
     )
     return out, residual_out, mean, rstd
 
@@ -286,7 +286,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     dx2 = dx.view(-1, n)
     dres2 = dresidual.view(-1, n) if has_residual else dx2
     block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD)
-    num_warps = _num_warps(block_n, _BWD_ELEMS_PER_THREAD)
+    num_warps = _num_warps(block_n, _BWD_ELEMS_PER_THREAD, 32)
     programs = _num_programs(h.device, m, num_warps)
     # A power of two, so that varying M compiles only a few variants.
     rows_per_program = triton.next_power_of_2(triton.cdiv(m, programs))
