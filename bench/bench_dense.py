@@ -95,7 +95,33 @@ def profile(m, k, n, approximate="tanh"):
                 torch.autograd.grad(fn(x, w, b), (x, w, b), grad)
             torch.cuda.synchronize()
         print(f"\n## profile {impl} M={m} K={k} N={n} {approximate}, 5 fwd+bwd steps")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+
+
+def _backward_pieces_at(m, k, n):
+    from flash_backend.ops.dense import gelu_backward_dbias
+
+    x = torch.randn(m, k, dtype=DTYPE, device="cuda")
+    g = torch.randn(m, n, dtype=DTYPE, device="cuda")
+    pre = torch.randn(m, n, dtype=DTYPE, device="cuda")
+    t = {
+        "wgrad cuBLASLt BGRADB": bench_ms(lambda: torch.ops.flash.cublaslt_linear_wgrad_bgrad(g, x)),
+        "wgrad mm + sum(0)": bench_ms(lambda: (g.t() @ x, g.sum(0))),
+        "wgrad mm": bench_ms(lambda: g.t() @ x),
+        "aten gelu_backward + sum(0)": bench_ms(
+            lambda: torch.ops.aten.gelu_backward(g, pre, approximate="tanh").sum(0)),
+        "triton gelu_backward_dbias": bench_ms(lambda: gelu_backward_dbias(g, pre, "tanh")),
+    }
+    print(f"M={m} K={k} N={n}: " + ", ".join(f"{name} {ms * 1e3:.0f} us" for name, ms in t.items()))
+
+
+def backward_pieces():
+    """Why the backward uses plain GEMMs and the Triton GELU'+bias pass (numbers in NOTES_dense.md)."""
+    from flash_backend.ops.dense import _extension
+
+    _extension()
+    for k, n in SHAPES:
+        _backward_pieces_at(MS[0], k, n)
 
 
 def main():
@@ -106,6 +132,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="profile fwd+bwd at K=768 first")
     args = parser.parse_args()
     if args.profile:
+        backward_pieces()
         for m in MS:
             profile(m, 768, 3072)
     approximations = args.approximate.split(",")
