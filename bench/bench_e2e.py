@@ -73,6 +73,7 @@ def _build(model: str, attn: str, batch: int, size: int):
 
 
 def _run_mode(config: str, mode: str, results: Results, table: list):
+    from flash_backend.backend import flash_backend as flash_backend_fn
     from fx_passes._compat import counters
 
     model_name, attn, batch, size = CONFIGS[config]
@@ -82,7 +83,9 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     net, inputs, items = _build(model_name, attn, batch, size)
     counters.clear()
     forward = (
-        net if mode == "eager" else torch.compile(net, backend="inductor" if mode == "inductor" else "flash")
+        net
+        if mode == "eager"
+        else torch.compile(net, backend="inductor" if mode == "inductor" else flash_backend_fn)
     )
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
 

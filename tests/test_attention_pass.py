@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import transformers  # a test dependency, installed in CI (README)
 
 import flash_backend
+from flash_backend.backend import flash_backend as flash_backend_fn
 from flash_backend.backend import rewrite_only_backend
 from flash_backend.ops.attention import flash_attention
 from fx_passes._compat import counters
@@ -682,7 +683,9 @@ def test_cuda_flash_backend_gpt2_bf16_training(impl):
     ids = torch.randint(0, 1000, (4, 256), device="cuda")
     torch._dynamo.reset()
     counters.clear()
-    loss_c = torch.compile(compiled_model, backend="flash")(input_ids=ids, labels=ids, use_cache=False).loss
+    loss_c = torch.compile(compiled_model, backend=flash_backend_fn)(
+        input_ids=ids, labels=ids, use_cache=False
+    ).loss
     loss_e = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert counters["flash"]["attention"] == 2
     assert abs(loss_c.item() - loss_e.item()) < 2e-2 * abs(loss_e.item())
