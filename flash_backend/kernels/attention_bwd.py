@@ -237,6 +237,7 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_1D: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -248,6 +249,10 @@ def _attention_bwd_dkdv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
+    # Inductor passes Python floats as fp64: keep the softmax in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     HKV = H // GROUP
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
@@ -337,13 +342,9 @@ def _attention_bwd_dkdv_kernel(
             + (q_start + offs_m[:, None]).to(tl.int64) * stride_dom
             + offs_d[None, :] * stride_dod
         )
-        mask_ptrs = (
-            MASK
-            + b.to(tl.int64) * stride_mb
-            + h * stride_mh
-            + offs_m[None, :].to(tl.int64) * stride_mm
-            + offs_n[:, None] * stride_mn
-        )
+        mask_ptrs = MASK + b.to(tl.int64) * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
+        if not MASK_1D:
+            mask_ptrs = mask_ptrs + offs_m[None, :].to(tl.int64) * stride_mm
         ds_ptrs = (
             DS
             + b.to(tl.int64) * stride_dsb
@@ -631,6 +632,7 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_1D: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -642,6 +644,10 @@ def _attention_bwd_dq_kernel(
     # heaviest query blocks (most visible keys under causal masking) first: shorter tail
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
+    # Inductor passes Python floats as fp64: keep the softmax in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -710,13 +716,9 @@ def _attention_bwd_dq_kernel(
         + (k_start + offs_n[:, None]).to(tl.int64) * stride_vn
         + offs_d[None, :] * stride_vd
     )
-    mask_ptrs = (
-        MASK
-        + b.to(tl.int64) * stride_mb
-        + h * stride_mh
-        + offs_m[:, None].to(tl.int64) * stride_mm
-        + offs_n[None, :] * stride_mn
-    )
+    mask_ptrs = MASK + b.to(tl.int64) * stride_mb + h * stride_mh + offs_n[None, :] * stride_mn
+    if not MASK_1D:  # a mask broadcast over query rows (padding) is loaded as one row per key block
+        mask_ptrs = mask_ptrs + offs_m[:, None].to(tl.int64) * stride_mm
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -918,6 +920,7 @@ def _launch_backward(
     mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     common = dict(
         HAS_MASK=has_mask,
+        MASK_1D=has_mask and m_s[2] == 0,
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_VARLEN=varlen,

@@ -174,6 +174,7 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_1D: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -185,6 +186,9 @@ def _attention_fwd_kernel(
     # heaviest query blocks (most visible keys under causal masking) first: shorter tail
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
+    # Inductor passes Python floats as fp64: keep the softmax in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    dropout_p = tl.cast(dropout_p, tl.float32)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -227,13 +231,9 @@ def _attention_fwd_kernel(
         + (k_start + offs_n[:, None]).to(tl.int64) * stride_vn
         + offs_d[None, :] * stride_vd
     )
-    mask_ptrs = (
-        MASK
-        + b.to(tl.int64) * stride_mb
-        + h * stride_mh
-        + offs_m[:, None].to(tl.int64) * stride_mm
-        + offs_n[None, :] * stride_mn
-    )
+    mask_ptrs = MASK + b.to(tl.int64) * stride_mb + h * stride_mh + offs_n[None, :] * stride_mn
+    if not MASK_1D:  # a mask broadcast over query rows (padding) is loaded as one row per key block
+        mask_ptrs = mask_ptrs + offs_m[:, None].to(tl.int64) * stride_mm
     row_ok = offs_m[:, None] < seqlen_q
     q = tl.load(q_ptrs, mask=row_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
     seed = 0
@@ -456,6 +456,7 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HAS_MASK=has_mask,
+        MASK_1D=has_mask and m_strides[2] == 0,
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_VARLEN=cu_q is not None,
