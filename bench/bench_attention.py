@@ -210,14 +210,45 @@ def run_sweep(args):
                           f"{str(e)[:100]}")
 
 
+def run_overhead(args):
+    """Host time per call (no sync) against device time: says when a small case is launch-bound."""
+    for causal in (False, True):
+        q, k, v, _ = _inputs(16, 16, 16, 1024, 64, None)
+        for name, fn in (("ours", functools.partial(flash_attention, q, k, v, is_causal=causal)),
+                         ("cudnn", functools.partial(_sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v, None, causal,
+                                                     False))):
+            out = fn()
+            dout = torch.randn_like(out)
+            for mode in ("fwd", "fwd+bwd"):
+                def step(fn=fn, mode=mode, dout=dout, inputs=(q, k, v)):
+                    o = fn()
+                    if mode == "fwd+bwd":
+                        torch.autograd.grad(o, inputs, dout)
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    step()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                host_us, wall_us = (t1 - t0) / 50 * 1e6, (t2 - t0) / 50 * 1e6
+                print(f"OVERHEAD 16,16,1024,64 causal={causal} {name} {mode}: host {host_us:.0f} us/call, "
+                      f"wall {wall_us:.0f} us/call, do_bench {bench_ms(step) * 1e3:.0f} us", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-seconds", type=float, default=240)
     p.add_argument("--quick", action="store_true", help="skip the largest rows")
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")
     args = p.parse_args()
-    if args.sweep:
+    if args.overhead:
+        run_overhead(args)
+    elif args.sweep:
         run_sweep(args)
     else:
         run_grid(args)
