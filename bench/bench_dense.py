@@ -99,8 +99,6 @@ def profile(m, k, n, approximate="tanh"):
 
 
 def _backward_pieces_at(m, k, n):
-    from flash_backend.ops.dense import gelu_backward_dbias
-
     x = torch.randn(m, k, dtype=DTYPE, device="cuda")
     g = torch.randn(m, n, dtype=DTYPE, device="cuda")
     pre = torch.randn(m, n, dtype=DTYPE, device="cuda")
@@ -110,13 +108,12 @@ def _backward_pieces_at(m, k, n):
         "wgrad mm": bench_ms(lambda: g.t() @ x),
         "aten gelu_backward + sum(0)": bench_ms(
             lambda: torch.ops.aten.gelu_backward(g, pre, approximate="tanh").sum(0)),
-        "triton gelu_backward_dbias": bench_ms(lambda: gelu_backward_dbias(g, pre, "tanh")),
     }
     print(f"M={m} K={k} N={n}: " + ", ".join(f"{name} {ms * 1e3:.0f} us" for name, ms in t.items()))
 
 
 def backward_pieces():
-    """Why the backward uses plain GEMMs and the Triton GELU'+bias pass (numbers in NOTES_dense.md)."""
+    """The weight-gradient choices (BGRADB epilogue or GEMM + column sum) side by side (NOTES_dense.md)."""
     from flash_backend.ops.dense import _extension
 
     _extension()

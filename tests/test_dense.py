@@ -118,19 +118,6 @@ def test_errors_name_the_argument():
         torch.ops.flash.dense_gelu_bwd(torch.randn(4, 9), x, w, torch.randn(4, 8), "none")
 
 
-@pytest.mark.parametrize("approximate", APPROX)
-def test_gelu_backward_dbias_kernel(approximate):
-    """The Triton GELU' + bias-gradient pass (under TRITON_INTERPRET=1 without a GPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    m, n = 300, 264  # rows past one 128-row chunk, columns past one 256-column block
-    dy = torch.randn(m, n, device=device)
-    pre = 3 * torch.randn(m, n, device=device)
-    grad_pre, grad_bias = dense.gelu_backward_dbias(dy, pre, approximate)
-    ref = torch.ops.aten.gelu_backward(dy.double(), pre.double(), approximate=approximate)
-    torch.testing.assert_close(grad_pre.double(), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad_bias.double(), ref.sum(0), atol=1e-4, rtol=1e-5)
-
-
 def test_cpu_never_builds(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("tried to build the CUDA extension")
@@ -216,8 +203,7 @@ def test_cublaslt_gelu_epilogue_is_tanh():
 
 
 @pytest.mark.cuda
-def test_cublaslt_backward_epilogues():
-    """DGELU_BGRAD and BGRADB (measured, not used by the ops: see flash_backend/ops/dense.py)."""
+def test_cublaslt_dgelu_bgrad_epilogue():
     dense._extension()
     m, n, h = 1000, 512, 768
     grad = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
@@ -227,10 +213,6 @@ def test_cublaslt_backward_epilogues():
     ref = torch.ops.aten.gelu_backward(grad.float() @ w.float(), pre.float(), approximate="tanh")
     torch.testing.assert_close(grad_pre.float(), ref, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(grad_bias.float(), ref.sum(0), atol=0.5, rtol=3e-2)
-    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
-    grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad, x)
-    torch.testing.assert_close(grad_weight.float(), grad.float().t() @ x.float(), atol=0.5, rtol=3e-2)
-    torch.testing.assert_close(grad_bias.float(), grad.float().sum(0), atol=0.5, rtol=3e-2)
 
 
 @pytest.mark.cuda

@@ -1,23 +1,21 @@
 """Fused Linear + bias (+ GELU), forward and backward: `torch.ops.flash.dense_gelu_*` / `dense_bias_*`.
 
-Trade-off. The matmuls are cuBLASLt's / cuBLAS's; what we fuse is the memory-bound work around them.
-Forward, the tanh GELU, the bias add and the store of the pre-activation (kept for backward) run in the
-GEMM's epilogue (csrc/dense_gelu.cpp, GELU_AUX_BIAS; GELU_BIAS without the store for inference): one GEMM,
-no elementwise pass. Backward, GELU' and the bias gradient are one Triton pass over (dy, pre)
-(`gelu_backward_dbias`), then two plain GEMMs. cuBLASLt's backward epilogues were measured and are not
-used here: BGRADB made the weight-gradient GEMM slower than GEMM + column sum on the H200, and DGELU_BGRAD
-applies GELU' to the GEMM's *own* output, which a lone Linear+GELU does not have (the GEMM producing the
-gradient of the GELU output is the next layer's input gradient: `cublaslt_linear_dgrad_dgelu_bgrad` is
-that building block, for a future Linear-GELU-Linear op).
+Trade-off. The matmul is cuBLASLt's (csrc/dense_gelu.cpp); what we fuse is the memory-bound work around
+it. Forward, the tanh GELU, the bias add and the store of the pre-activation (kept for backward) run in
+the GEMM's epilogue (GELU_AUX_BIAS): one GEMM, no elementwise pass. Backward, the bias gradient is the
+weight-gradient GEMM's BGRADB epilogue instead of a reduction over the (M, N) gradient; the GELU derivative
+stays one elementwise pass (aten.gelu_backward), because cuBLASLt's DGELU epilogue applies GELU' to the
+GEMM's own output, and a lone Linear+GELU has no GEMM producing the gradient of its output (that GEMM is
+the *next* layer's input gradient: see `cublaslt_linear_dgrad_dgelu_bgrad`, for a future Linear-GELU-Linear).
 
 Exact GELU. cuBLASLt's GELU epilogues compute the tanh approximation only (checked on the H200 by
 tests/test_dense.py::test_cublaslt_gelu_epilogue_is_tanh). approximate="none" is therefore never sent
 through them: it takes the BIAS epilogue (which writes the pre-activation) and an erf GELU elementwise;
 backward uses the erf derivative. So the exact model stays exact, at the cost of one elementwise pass.
 
-Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): the above. Everything else
-(CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch. No Triton matmul (not
-written: see bench/NOTES_dense.md).
+Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt. Everything else
+(CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch. No Triton matmul: not
+written yet (see bench/NOTES_dense.md).
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from flash_backend import _cpp_build
@@ -165,72 +161,11 @@ def _as_2d(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _cuda_dgrad_wgrad(grad_2d: Tensor, x: Tensor, weight: Tensor, x_shape) -> tuple[Tensor, Tensor]:
-    # Plain cuBLAS GEMMs: on the H200 the BGRADB epilogue made the weight-gradient GEMM ~40 us slower
-    # at M=16384, K=768, N=3072 than a plain GEMM plus a separate column sum (bench/NOTES_dense.md);
-    # the sum rides on the GELU' pass instead (gelu_backward_dbias).
-    grad_x = (grad_2d @ weight).view(*x_shape)
-    return grad_x, grad_2d.t() @ _as_2d(x)
-
-
-# --------------------------------------------------------------------------------------------------
-# Backward elementwise: GELU' and the bias gradient in one pass (Triton)
-# --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _gelu_bwd_dbias_kernel(
-    DY,  # (M, N) gradient of the GELU output, contiguous
-    PRE,  # (M, N) saved pre-activation, contiguous
-    DPRE,  # (M, N) out: gradient of the pre-activation
-    DBIAS_PARTIAL,  # (cdiv(M, ROWS), N) fp32 out: per-row-chunk column sums of DPRE
-    M, N,
-    ROWS: tl.constexpr,  # rows per program
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_TANH: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in range(0, ROWS, BLOCK_M):
-        rows = pid_m * ROWS + r + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(PRE + offs, mask=mask, other=0.0).to(tl.float32)
-        if IS_TANH:  # the same formula as aten.gelu_backward(approximate="tanh")
-            beta = 0.7978845608028654
-            kappa = 0.044715
-            inner = beta * (x + kappa * x * x * x)
-            t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh(inner)
-            dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * x * x)
-        else:
-            cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
-            pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
-            dgelu = cdf + x * pdf
-        g = dy * dgelu
-        tl.store(DPRE + offs, g.to(DPRE.dtype.element_ty), mask=mask)
-        acc += tl.sum(tl.where(mask, g, 0.0), axis=0)
-    tl.store(DBIAS_PARTIAL + pid_m * N + cols, acc, mask=col_mask)
-
-
-def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    """(grad_pre, grad_bias) for 2-D contiguous (M, N) grad_out and pre: one read of each, one write.
-
-    The bias gradient is summed in fp32 from the unrounded GELU' products (per chunk of ROWS rows,
-    then over chunks), so it is at least as accurate as summing the rounded grad_pre.
-    """
-    m, n = grad_out.shape
-    rows, block_m, block_n = 128, 32, 256
-    grad_pre = torch.empty_like(grad_out)
-    partial = torch.empty(triton.cdiv(m, rows), n, dtype=torch.float32, device=grad_out.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
-    _gelu_bwd_dbias_kernel[grid](grad_out, pre, grad_pre, partial, m, n, ROWS=rows, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, IS_TANH=approximate == "tanh", num_warps=8)
-    return grad_pre, partial.sum(0).to(grad_out.dtype)
+def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
+                      x_shape) -> tuple[Tensor, Tensor, Tensor]:
+    grad_x = (grad_pre_2d @ weight).view(*x_shape)
+    grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad_pre_2d, _as_2d(x))
+    return grad_x, grad_weight, grad_bias
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,9 +246,8 @@ def _(grad_out, x, weight, pre, approximate):
     if not _cublaslt_ok(x, weight):
         grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
         return tuple(g.contiguous() for g in grads)
-    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate)
-    grad_x, grad_weight = _cuda_dgrad_wgrad(grad_pre, x, weight, x.shape)
-    return grad_x, grad_weight, grad_bias
+    grad_pre = torch.ops.aten.gelu_backward(_as_2d(grad_out), _as_2d(pre), approximate=approximate)
+    return _cuda_wgrad_bgrad(grad_pre, x, weight.contiguous(), x.shape)
 
 
 @dense_gelu_bwd.register_fake
@@ -357,9 +291,7 @@ def _(grad_out, x, weight):
     _check_bwd(grad_out, x, weight)
     if not _cublaslt_ok(x, weight):
         return tuple(g.contiguous() for g in dense_bias_backward_reference(grad_out, x, weight))
-    grad_2d = _as_2d(grad_out)
-    grad_x, grad_weight = _cuda_dgrad_wgrad(grad_2d, x, weight, x.shape)
-    return grad_x, grad_weight, grad_2d.sum(0)
+    return _cuda_wgrad_bgrad(_as_2d(grad_out), x, weight.contiguous(), x.shape)
 
 
 @dense_bias_bwd.register_fake
@@ -411,14 +343,14 @@ torch.library.register_autograd("flash::dense_bias_fwd", _backward_bias, setup_c
 
 
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> Tensor:
-    """F.gelu(F.linear(x, weight, bias), approximate=approximate), fused. weight is (N, K) like nn.Linear.
-
-    The ops check their inputs (clear errors naming the argument) before any kernel runs."""
+    """F.gelu(F.linear(x, weight, bias), approximate=approximate), fused. weight is (N, K) like nn.Linear."""
+    _check(x, weight, bias, approximate)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return torch.ops.flash.dense_gelu_fwd(x, weight, bias, approximate)[0]
     return torch.ops.flash.dense_gelu_inference(x, weight, bias, approximate)
 
 
 def linear_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear(x, weight, bias) as a flash op (cuBLASLt BIAS epilogue forward)."""
+    """F.linear(x, weight, bias), with the bias gradient fused into the weight-gradient GEMM."""
+    _check(x, weight, bias)
     return torch.ops.flash.dense_bias_fwd(x, weight, bias)
