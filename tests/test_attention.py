@@ -251,6 +251,7 @@ INTERPRET_CASES = {
     "window": dict(Sq=64, Sk=64, wl=10, wr=3),
     "bias_grad": dict(Sq=37, Sk=45, bias=True),
     "bool_mask_empty_rows": dict(Sq=37, Sk=45, bool_mask=True),
+    "padding_bias_grad": dict(Sq=37, Sk=45, bias=True, bias_shape=(1, 1, 1, 45)),
     "dropout_causal_gqa": dict(Hq=4, Hkv=2, Sq=37, Sk=45, wr=0, p=0.3),
 }
 
@@ -261,12 +262,12 @@ def test_kernels_under_interpreter(interpreter, case):
     from flash_backend.kernels.attention_bwd import attention_backward_launch
     from flash_backend.kernels.attention_fwd import attention_forward_launch
 
-    c = dict(Hq=2, Hkv=2, D=32, wl=-1, wr=-1, br=False, p=0.0, bias=False, bool_mask=False)
+    c = dict(Hq=2, Hkv=2, D=32, wl=-1, wr=-1, br=False, p=0.0, bias=False, bool_mask=False, bias_shape=None)
     c.update(INTERPRET_CASES[case])
     q, k, v = _qkv(1, c["Hq"], c["Hkv"], c["Sq"], c["Sk"], c["D"], dtype=torch.float16)
     mask = None
     if c["bias"]:
-        mask = torch.randn(1, c["Hq"], c["Sq"], c["Sk"], dtype=torch.float16)
+        mask = torch.randn(c["bias_shape"] or (1, c["Hq"], c["Sq"], c["Sk"]), dtype=torch.float16)
     if c["bool_mask"]:
         mask = torch.rand(1, 1, c["Sq"], c["Sk"]) > 0.5
         mask[..., 3, :] = False
