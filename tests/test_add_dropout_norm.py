@@ -287,7 +287,7 @@ def test_interpret_kernels(n, rms):
 def test_interpret_chunked_rows(monkeypatch, rms):
     """Rows wider than the register limit loop over chunks; shrink the limit so tiny rows take that path."""
     monkeypatch.setattr(adn, "_MAX_FUSED_N_FWD", 16)
-    monkeypatch.setattr(adn, "_MAX_FUSED_N_BWD", {False: 32, True: 32})
+    monkeypatch.setattr(adn, "_MAX_FUSED_N_BWD", 32)
     for n in (17, 100):
         _compare_launchers(5, n, torch.float32, rms, 0.2, True)
 

@@ -66,6 +66,9 @@ def _add_dropout_norm_fwd_kernel(
     STORE_RESIDUAL_OUT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    # Inductor passes Python floats as fp64; the math stays fp32 as in the eager launch.
+    eps = tl.cast(eps, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)
@@ -215,6 +218,7 @@ def _add_dropout_norm_bwd_kernel(
     STORE_DRESIDUAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)  # fp64 under Inductor
     row_start = pid * ROWS_PER_PROGRAM
     seed = tl.load(SEED) if HAS_DROPOUT else 0
     if NUM_CHUNKS == 1:

@@ -34,14 +34,14 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
 
 MAX_N = 65536
 _MIN_BLOCK_N = 16
-# Launch shapes, from a sweep on an H200 (bf16, M=16384; bench/NOTES_layer_norm.md). Backward entries are
-# keyed by is_rms_norm: LayerNorm's backward holds dB too, so it spills past 8192 columns and wants fewer
-# programs per SM.
+# Launch shapes: the ones that passed the H200 tests and produced bench/results/layer_norm.json. A later
+# sweep (bench/NOTES_layer_norm.md) found faster backward shapes (16 elements per thread; LayerNorm 16
+# warps/SM; RMSNorm fused up to 16384 columns), not yet validated on the GPU.
 _MAX_FUSED_N_FWD = 16384
-_MAX_FUSED_N_BWD = {False: 8192, True: 16384}
+_MAX_FUSED_N_BWD = 8192
 _FWD_ELEMS_PER_THREAD = 16  # elements of a row per thread
-_BWD_ELEMS_PER_THREAD = 16
-_BWD_WARPS_PER_SM = {False: 16, True: 32}  # warps per SM that the persistent backward programs fill
+_BWD_ELEMS_PER_THREAD = 8
+_BWD_WARPS_PER_SM = 32  # warps per SM that the persistent backward programs fill
 _BWD_NUM_STAGES = None  # None: Triton's default
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
@@ -266,10 +266,10 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_programs(device: torch.device, m: int, num_warps: int, is_rms_norm: bool) -> int:
+def _num_programs(device: torch.device, m: int, num_warps: int) -> int:
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        return min(m, sms * max(1, _BWD_WARPS_PER_SM[is_rms_norm] // num_warps))
+        return min(m, sms * max(1, _BWD_WARPS_PER_SM // num_warps))
     return min(m, 4)
 
 
@@ -287,9 +287,9 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     h2, dy2, dres_out2 = _rows(h, n), _rows(dy, n), _rows(dresidual_out, n)
     dx2 = dx.view(-1, n)
     dres2 = dresidual.view(-1, n) if has_residual else dx2
-    block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD[is_rms_norm])
+    block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD)
     num_warps = _num_warps(block_n, _BWD_ELEMS_PER_THREAD, 32)
-    programs = _num_programs(h.device, m, num_warps, is_rms_norm)
+    programs = _num_programs(h.device, m, num_warps)
     # A power of two, so that varying M compiles only a few variants.
     rows_per_program = triton.next_power_of_2(triton.cdiv(m, programs))
     programs = triton.cdiv(m, rows_per_program)
