@@ -152,6 +152,19 @@ def test_grads_without_residual_or_affine():
     torch.testing.assert_close(gx, rx, atol=1e-5, rtol=1e-5)
 
 
+def test_empty_rows_and_module():
+    x = torch.randn(0, 3, 16, requires_grad=True)
+    out, h = add_dropout_norm(x, torch.randn(0, 3, 16), dropout_p=0.1, return_residual=True)
+    assert out.shape == h.shape == (0, 3, 16)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert gx.shape == x.shape
+    norm = adn.AddDropoutNorm(16, dropout_p=0.2, is_rms_norm=True).eval()
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    out, h = norm(x, r, return_residual=True)
+    torch.testing.assert_close(out, F.rms_norm(x + r, (16,), norm.weight, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, x + r)
+
+
 def test_compile_aot_eager_fullgraph():
     x, r, w, b = _inputs((4, 96), torch.float32, requires_grad=True)
 

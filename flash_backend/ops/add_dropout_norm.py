@@ -381,7 +381,7 @@ def _(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_no
 def _setup_context(ctx, inputs, output):
     x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual = inputs
     _, residual_out, mean, rstd = output
-    h = residual_out if residual_out.numel() or x.numel() == 0 else x
+    h = residual_out if residual_out.numel() else x  # empty residual_out: h is x
     ctx.save_for_backward(h, weight, bias, mean, rstd, seed)
     ctx.dropout_p = dropout_p
     ctx.is_rms_norm = is_rms_norm
