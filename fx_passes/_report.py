@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx
 
 from fx_passes._compat import counters
@@ -18,23 +20,37 @@ from fx_passes._compat import counters
 log = logging.getLogger("flash_backend")
 
 
-def source_location(node: torch.fx.Node | None) -> str:
-    """'file.py:42 in forward: <code>' for the user line that produced node, or its name."""
-    if node is None:
-        return "?"
-    trace = node.meta.get("stack_trace") or ""
+def _frames(trace: str) -> list[tuple[str, str, str, str]]:
+    """(path, line, function, code) for each frame of a dynamo stack_trace string."""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            # File "/path/model.py", line 42, in forward
-            parts = lines[i].split('"')
-            path = parts[1].rsplit("/", 1)[-1] if len(parts) > 2 else "?"
-            rest = parts[-1]
+    frames = []
+    for i, line in enumerate(lines):
+        if line.startswith("File ") and line.count('"') >= 2:
+            path = line.split('"')[1]
+            rest = line.split('"')[-1]
             lineno = rest.split("line ")[-1].split(",")[0] if "line " in rest else "?"
             func = rest.rsplit("in ", 1)[-1] if "in " in rest else "?"
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{path}:{lineno} in {func}: {code}" if code else f"{path}:{lineno} in {func}"
-    return f"node {node.name}"
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            frames.append((path, lineno, func, code))
+    return frames
+
+
+def source_location(node: torch.fx.Node | None) -> str:
+    """'file.py:42 in forward: <code>' for the user line that produced node, or its name.
+
+    Frames inside torch itself (nn.RMSNorm's forward calling F.rms_norm, ...) are skipped: the user
+    wants the line of their model that holds the subgraph.
+    """
+    if node is None:
+        return "?"
+    frames = _frames(node.meta.get("stack_trace") or "")
+    torch_dir = os.path.dirname(torch.__file__)
+    user_frames = [f for f in frames if not f[0].startswith(torch_dir)] or frames
+    if not user_frames:
+        return f"node {node.name}"
+    path, lineno, func, code = user_frames[-1]
+    where = f"{os.path.basename(path)}:{lineno} in {func}"
+    return f"{where}: {code}" if code else where
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch._functorch.config  # noqa: E402
+import torch._inductor.config  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -24,8 +26,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo_and_seed():
-    """Each test starts with empty dynamo caches and counters, and a seed of its own."""
+def _fresh_dynamo_and_counters(monkeypatch):
+    """Each test starts with empty dynamo caches and counters.
+
+    The compile caches are off: a cache hit reuses an already-rewritten graph without running the
+    pre-grad passes again, so the rewrite counters the tests assert on would stay at zero.
+    """
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False, raising=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
