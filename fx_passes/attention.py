@@ -187,6 +187,14 @@ def _precise_enough(dtype, source_dtype) -> bool:
     return torch.finfo(dtype).eps <= limit
 
 
+def _holds(cond) -> bool:
+    """bool(cond); on symbolic sizes this adds a guard, so the rewrite is only reused where it holds."""
+    try:
+        return bool(cond)
+    except Exception:  # noqa: BLE001 - data-dependent: cannot be proven
+        return False
+
+
 def _check_op_limits(q_shape, k_shape, v_shape, dtype):
     """What flash_attention raises on, checked at compile time so the model keeps its eager attention."""
     from flash_backend.ops.attention import MAX_HEAD_DIM
@@ -194,17 +202,17 @@ def _check_op_limits(q_shape, k_shape, v_shape, dtype):
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise _Skip(f"dtype {dtype} is not supported by the flash op")
     for name, d in (("q/k", q_shape[-1]), ("v", v_shape[-1])):
-        if not isinstance(d, int) or d % 8 != 0 or d > MAX_HEAD_DIM:
+        if not (_holds(d % 8 == 0) and _holds(d <= MAX_HEAD_DIM) and _holds(d > 0)):
             raise _Skip(f"head_dim of {name} is {d}; the flash op takes multiples of 8 up to {MAX_HEAD_DIM}")
-    if q_shape[-1] != k_shape[-1]:
+    if not _holds(q_shape[-1] == k_shape[-1]):
         raise _Skip("q and k head dims differ")
-    if not (q_shape[0] == k_shape[0] == v_shape[0]):
+    if not (_holds(q_shape[0] == k_shape[0]) and _holds(k_shape[0] == v_shape[0])):
         raise _Skip(
             f"batch dims differ (q {q_shape}, k {k_shape}, v {v_shape}): broadcasting batch is not taken"
         )
-    if k_shape[1] != v_shape[1] or k_shape[2] != v_shape[2]:
+    if not (_holds(k_shape[1] == v_shape[1]) and _holds(k_shape[2] == v_shape[2])):
         raise _Skip(f"k {k_shape} and v {v_shape} do not pair up")
-    if k_shape[1] == 0 or q_shape[1] % k_shape[1] != 0:
+    if not _holds(q_shape[1] % k_shape[1] == 0):
         raise _Skip(f"q heads ({q_shape[1]}) are not a multiple of k/v heads ({k_shape[1]})")
 
 
@@ -309,35 +317,50 @@ def _reaches_matmul(node, depth: int = 16) -> bool:
     return False
 
 
+def _scalar_factor(node):
+    """A constant as a float; a symbolic scalar (dynamic=True turns float attributes into inputs) as its
+    node; anything else None."""
+    c = _const_scalar(node)
+    if c is not None:
+        return c
+    if isinstance(node, Node) and isinstance(val(node), (torch.SymFloat, torch.SymInt, float, int)):
+        return node
+    return None
+
+
 def _scale_operand(node: Node):
-    """(tensor operand, factor) of a multiply or divide by a constant, else None."""
+    """(tensor operand, factor) of a multiply or divide by a scalar, else None.
+
+    factor is a float, or ("mul" | "div", node) for a symbolic scalar.
+    """
     name = _name(node)
     if name not in ("mul", "div") or len(node.args) != 2:
         return None
     a, b = node.args
     if name == "div":
-        c = _const_scalar(b)
-        if c is None or c == 0 or not isinstance(a, Node):
+        c = _scalar_factor(b)
+        if c is None or not isinstance(a, Node) or tensor_meta(a) is None:
             return None
-        return a, 1.0 / c
+        if isinstance(c, Node):
+            return a, ("div", c)
+        return (a, 1.0 / c) if c != 0 else None
     for x, y in ((a, b), (b, a)):
-        c = _const_scalar(y)
+        c = _scalar_factor(y)
         if c is not None and isinstance(x, Node) and tensor_meta(x) is not None:
-            return x, c
+            return x, (("mul", c) if isinstance(c, Node) else c)
     return None
 
 
-def _strip_scales(node: Node, consumer: Node, chain: list[Node]) -> tuple[Node, float]:
-    """Fold constant multiplies/divides on q or k (only when the scaled tensor feeds nothing else)."""
-    factor = 1.0
+def _strip_scales(cand, node: Node, consumer: Node) -> Node:
+    """Fold scalar multiplies/divides on q or k (only when the scaled tensor feeds nothing else)."""
     while isinstance(node, Node) and _single_user(node, consumer):
         scaled = _scale_operand(node)
         if scaled is None or tensor_meta(node).shape != tensor_meta(scaled[0]).shape:
             break
-        chain.append(node)
-        consumer, (node, f) = node, scaled
-        factor *= f
-    return node, factor
+        cand.chain.append(node)
+        consumer, node = node, scaled[0]
+        cand.fold(scaled[1])
+    return node
 
 
 def _untranspose(kt: Node, ndim: int) -> Node:
@@ -380,12 +403,27 @@ class _Candidate:
     def __init__(self):
         self.chain: list[Node] = []  # nodes the rewrite makes dead
         self.scale = 1.0
+        self.symbolic_scales: list[tuple[str, Node]] = []  # ("mul" | "div", SymFloat node)
         self.masks = _Masks()
         self.q = self.k = self.v = None
         self.q_perm = self.k_perm = self.v_perm = None  # permutes into (batch..., S, D)
         self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
         self.batch_dims = 2
         self.variant = "matmul"
+
+    def fold(self, factor):
+        if isinstance(factor, tuple):
+            self.symbolic_scales.append(factor)
+        else:
+            self.scale *= factor
+
+    def scale_arg(self, graph: Graph, like: Node):
+        """The scale as flash_attention takes it: a float, or a SymFloat node for symbolic factors."""
+        scale = self.scale
+        for kind, node in self.symbolic_scales:
+            fn = operator.mul if kind == "mul" else operator.truediv
+            scale = insert_call(graph, fn, (scale, node), like=like)
+        return scale
 
 
 def _scores_side(cand: _Candidate, softmax: Node, x: Node):
@@ -414,10 +452,13 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 raise _Skip(f"scores are scaled by '{x.name}', which is not a compile-time constant")
             if not _reaches_matmul(scaled[0]):
                 raise _Skip(f"'{x.name}' does not scale the q·kᵀ scores")
-            if scaled[1] <= 0 or not math.isfinite(scaled[1]):
+            if isinstance(scaled[1], tuple):
+                steps.append(("symbolic scale", scaled[1]))
+            elif scaled[1] <= 0 or not math.isfinite(scaled[1]):
                 raise _Skip(f"scale {scaled[1]} is not a positive finite number")
-            steps.append(("scale", scaled[1]))
-            cand.scale *= scaled[1]
+            else:
+                steps.append(("scale", scaled[1]))
+            cand.fold(scaled[1])
             consumer, x = x, scaled[0]
             continue
         if name == "add" and len(x.args) == 2:
@@ -457,12 +498,16 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             continue
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
     # A scale applied after an additive mask would scale the mask too: not the op's function.
-    seen_add = False
+    seen_add = seen_mask = False
     for kind, _ in reversed(steps):  # innermost first
         if kind == "add":
-            seen_add = True
+            seen_add = seen_mask = True
+        elif kind == "keep":
+            seen_mask = True
         elif kind == "scale" and seen_add:
             raise _Skip("the scores are scaled after an additive mask was added")
+        elif kind == "symbolic scale" and seen_mask:
+            raise _Skip("the scores are scaled by a symbolic scalar (sign unknown) after masking")
     cand.steps = steps
     return x
 
@@ -500,9 +545,7 @@ def _qk(cand: _Candidate, mm: Node):
         cand.q_perm = [a_l.index(c) for c in batch + i + d]
         cand.k_perm = [b_l.index(c) for c in batch + j + d]
         cand.batch_dims = len(batch)
-        q, fq = _strip_scales(q, mm, cand.chain)
-        k, fk = _strip_scales(k, mm, cand.chain)
-        cand.q, cand.k, cand.scale = q, k, cand.scale * fq * fk
+        cand.q, cand.k = _strip_scales(cand, q, mm), _strip_scales(cand, k, mm)
         return
     cand.variant = name
     q, kt = mm.args[0], mm.args[1]
@@ -512,12 +555,11 @@ def _qk(cand: _Candidate, mm: Node):
     if ndim not in (3, 4) or len(_shape(kt) or ()) != ndim:
         raise _Skip(f"q·kᵀ operands are {ndim}-d; the flash op takes (B, H, S, D) or (BH, S, D)")
     cand.batch_dims = ndim - 2
-    kt, fk1 = _strip_scales(kt, mm, cand.chain)
+    kt = _strip_scales(cand, kt, mm)
     k = _untranspose(kt, ndim)
     cand.chain.append(kt)  # erased only if the rewrite leaves it without users
-    k, fk2 = _strip_scales(k, kt, cand.chain)
-    q, fq = _strip_scales(q, mm, cand.chain)
-    cand.q, cand.k, cand.scale = q, k, cand.scale * fq * fk1 * fk2
+    cand.k = _strip_scales(cand, k, kt)
+    cand.q = _strip_scales(cand, q, mm)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -761,7 +803,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
             "attn_mask": mask,
             "dropout_p": cand.dropout_p,
             "is_causal": is_causal,
-            "scale": cand.scale,
+            "scale": cand.scale_arg(graph, softmax),
             "enable_gqa": enable_gqa,
         },
         like=softmax,
@@ -772,7 +814,10 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
     pv.replace_all_uses_with(out)
     _erase_dead(graph, cand.chain + cand.masks.nodes())
-    details = [f"scale={cand.scale:.4g}"]
+    details = [
+        f"scale={cand.scale:.4g}"
+        + "".join(f" {'*' if k == 'mul' else '/'} {n.name}" for k, n in cand.symbolic_scales)
+    ]
     if is_causal:
         details.append("causal")
     elif mask is not None:
@@ -815,9 +860,10 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         or not isinstance(enable_gqa, bool)
     ):
         raise _Skip("dropout_p, is_causal or enable_gqa is not a compile-time constant")
-    if scale is not None and _const_scalar(scale) is None:
-        raise _Skip("scale is not a compile-time constant")
-    scale = None if scale is None else _const_scalar(scale)
+    if scale is not None:
+        scale = _scalar_factor(scale)
+        if scale is None:
+            raise _Skip("scale is neither a number nor a symbolic scalar")
     q_shape, k_shape, v_shape = _shape(q), _shape(k), _shape(v)
     ndim = len(q_shape)
     if ndim not in (3, 4) or len(k_shape) != ndim or len(v_shape) != ndim:

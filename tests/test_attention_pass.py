@@ -24,6 +24,15 @@ from fx_passes._compat import counters
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
+@pytest.fixture(autouse=True)
+def _cold_inductor_cache():
+    """An Inductor cache hit skips the pre-grad passes, and with them the counters these tests assert."""
+    from torch._inductor.utils import fresh_inductor_cache
+
+    with fresh_inductor_cache():
+        yield
+
+
 def _rewrites():
     return counters["flash"]["attention"], counters["flash"]["attention_skipped"]
 
@@ -330,6 +339,32 @@ def test_sdpa_dropout_is_passed_through():
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3), q, k, v
     )
     assert _flash_nodes(graphs)[0].kwargs["dropout_p"] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["hand_written", "sdpa"])
+def test_dynamic_shapes_and_symbolic_scale(use_sdpa):
+    """dynamic=True makes sizes and float attributes symbolic: the rewrite guards on them instead."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = 0.3
+
+        def forward(self, q, k, v):
+            if use_sdpa:
+                return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+            return torch.softmax(q @ k.transpose(-2, -1) * self.scale, -1) @ v
+
+    m = Attn()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend=rewrite_only_backend, dynamic=True)
+    for S in (9, 17):
+        q, k, v = _qkv(S=S)
+        torch.testing.assert_close(compiled(q, k, v), m(q, k, v), **TOL)
+    m.scale = 0.5
+    torch.testing.assert_close(compiled(q, k, v), m(q, k, v), **TOL)
+    assert counters["flash"]["attention"] >= 1 and counters["flash"]["attention_skipped"] == 0
 
 
 # --------------------------------------------------------------------------------------------------------
