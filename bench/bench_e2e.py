@@ -159,11 +159,6 @@ def main():
     import flash_backend  # noqa: F401  (registers the ops; the backend is found through the entry point)
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    # Inductor types Python-float arguments of user Triton kernels as fp64 (this flag): the attention
-    # kernels' softmax scale then turns their fp32 accumulators into fp64 and Triton refuses to compile
-    # (fixed in the kernels by casting their scalar arguments). Both compiled modes run with fp32 scalars.
-    if hasattr(torch._inductor.config, "_use_fp64_for_unbacked_floats"):
-        torch._inductor.config._use_fp64_for_unbacked_floats = False
     results = Results("e2e")
     table: list = []
     skipped = []

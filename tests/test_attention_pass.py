@@ -7,7 +7,6 @@ eager; a few compile end to end with backend="flash". transformers is a test dep
 
 import copy
 import math
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -717,17 +716,11 @@ def test_cuda_flash_backend_gpt2_bf16_training(impl):
     model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).train()
     compiled_model = copy.deepcopy(model)
     ids = torch.randint(0, 1000, (4, 256), device="cuda")
-    # Inductor passes Python floats to user Triton kernels as fp64 unless told otherwise; the attention
-    # kernels do not cast their softmax scale yet (their accumulators would turn fp64). Backward compiles
-    # lazily, so the patch spans it.
-    has_flag = hasattr(torch._inductor.config, "_use_fp64_for_unbacked_floats")
-    patch = torch._inductor.config.patch(_use_fp64_for_unbacked_floats=False) if has_flag else nullcontext()
     torch._dynamo.reset()
     counters.clear()
-    with patch:
-        compiled = torch.compile(compiled_model, backend=flash_backend_fn)
-        loss_c = compiled(input_ids=ids, labels=ids, use_cache=False).loss
-        loss_c.backward()
+    compiled = torch.compile(compiled_model, backend=flash_backend_fn)
+    loss_c = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    loss_c.backward()
     loss_e = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss_e.backward()
     assert counters["flash"]["attention"] == 2
