@@ -302,7 +302,7 @@ def _efficient_bwd(
         grad_bias = torch.empty(
             *attn_bias.shape[:-1], aligned, dtype=attn_bias.dtype, device=attn_bias.device
         )[..., :last]
-        grad_bias.copy_(dbias.view(attn_bias.shape))
+        grad_bias.copy_(dbias.reshape(attn_bias.shape))
     return bshd(dq, query), bshd(dk, key), bshd(dv, value), grad_bias
 
 

@@ -595,6 +595,7 @@ def _loss(out):
 def _check_model(model, inputs, rewrites, backend=rewrite_only_backend, tol=None):
     """Compiled model: rewrite count, loss and parameter gradients equal eager's."""
     tol = tol or dict(atol=1e-5, rtol=1e-4)
+    model.zero_grad(set_to_none=True)
     compiled_model = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
@@ -625,6 +626,42 @@ def test_transformers_models_every_layer(name, impl, training):
             setattr(model.config, cfg_name, 0.0)
     model.train(training)
     _check_model(model, inputs, rewrites=2)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "t5_relative_bias"])
+def test_other_architectures(arch, impl):
+    """GQA through repeat_kv with a padded causal mask (Llama); an unscaled, learned additive bias (T5)."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 97, (2, 16))
+    am = (~_pad_mask(2, 16)).long()
+    if arch == "llama_gqa":
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
+            attn_implementation=impl,
+        )
+        model, inputs = (
+            transformers.LlamaForCausalLM(cfg),
+            {"input_ids": ids, "labels": ids, "attention_mask": am},
+        )
+    else:
+        cfg = transformers.T5Config(
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            vocab_size=97,
+            dropout_rate=0.0,
+            attn_implementation=impl,
+        )
+        model, inputs = transformers.T5EncoderModel(cfg), {"input_ids": ids, "attention_mask": am}
+    _check_model(model.train(), inputs, rewrites=2)
 
 
 def test_transformers_gpt2_causal_mask_becomes_is_causal():
