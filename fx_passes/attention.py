@@ -19,6 +19,7 @@ at compile time: a causal one becomes ``is_causal=True`` and an all-visible one 
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 
@@ -28,6 +29,8 @@ from torch.fx import Node
 
 from fx_passes._match import arg, insert_call, is_number, norm_dim, op_name, tensor_meta, val
 from fx_passes._report import record_near_miss, record_rewrite
+
+log = logging.getLogger("flash_backend")
 
 FAMILY = "attention"
 ORDER = 10  # before families that might claim the matmuls or the dropout around attention
@@ -934,7 +937,8 @@ def _functionalize_inplace(graph: Graph) -> None:
         if node.op != "call_method" or node.target not in _INPLACE or not isinstance(node.args[0], Node):
             continue
         base = node.args[0]
-        if _name(base) not in _FRESH:
+        # A reader placed before the mutation could be a view that sees it: leave those graphs alone.
+        if _name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
             continue
         with graph.inserting_after(node):
             functional = graph.call_method(_INPLACE[node.target], node.args, node.kwargs)
@@ -944,6 +948,7 @@ def _functionalize_inplace(graph: Graph) -> None:
                 user.replace_input_with(base, functional)
         node.replace_all_uses_with(functional)
         graph.erase_node(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
 
 
 def rewrite(graph: torch.fx.Graph) -> None:
@@ -962,3 +967,6 @@ def rewrite(graph: torch.fx.Graph) -> None:
                 _rewrite_softmax(graph, node)
         except _Skip as skip:
             record_near_miss(FAMILY, variant, str(skip), node)
+        except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
+            log.warning("attention pass: %s failed on %s", variant, node.name, exc_info=True)
+            record_near_miss(FAMILY, variant, f"internal error {type(error).__name__}: {error}", node)
