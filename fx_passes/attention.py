@@ -309,14 +309,17 @@ Graph = torch.fx.Graph
 # --------------------------------------------------------------------------------------------------------
 
 
-def _reaches_matmul(node, depth: int = 16) -> bool:
-    if not isinstance(node, Node) or depth == 0:
+def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
+    """Whether node is a matmul seen through elementwise score ops (each node visited once)."""
+    seen = set() if seen is None else seen
+    if not isinstance(node, Node) or depth == 0 or node in seen:
         return False
+    seen.add(node)
     name = _name(node)
     if name in _MATMULS:
         return True
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
-        return any(_reaches_matmul(a, depth - 1) for a in node.args if isinstance(a, Node))
+        return any(_reaches_matmul(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
     return False
 
 
