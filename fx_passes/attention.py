@@ -273,32 +273,108 @@ class _Masks:
         return keep.broadcast_to(keep.shape[:-2] + (sq, sk)).cpu()
 
     def build(self, graph: Graph, like: Node, sq: int, sk: int):
-        """(attn_mask node or None, is_causal) for flash_attention."""
+        """(attn_mask node or None, causal) for flash_attention; causal with a mask means window (-1, 0)."""
         if self.empty():
             return None, False
         keep = self.constant_keep(sq, sk)
         if keep is not None:
             if bool(keep.all()):
                 return None, False
-            causal = torch.ones(sq, sk, dtype=torch.bool).tril()
-            if bool((keep == causal).all()):
+            if bool((keep == _causal_pattern(sq, sk)).all()):
                 return None, True
+        causal = False
         keep_node = None
+        factors: list[Node] = []
         for node, negate in self.keeps:
-            k = insert_call(graph, torch.logical_not, (node,), like=like) if negate else node
+            if negate:
+                factors.append(insert_call(graph, torch.logical_not, (node,), like=like))
+                continue
+            runtime, is_causal = _split_keep(node, sq, sk)
+            factors += runtime
+            causal |= is_causal
+        for k in factors:
             keep_node = (
                 k if keep_node is None else insert_call(graph, torch.logical_and, (keep_node, k), like=like)
             )
         add_node = None
         for node in self.additive:
+            node = _narrow_additive(graph, node, sq, sk, like)
             add_node = (
                 node if add_node is None else insert_call(graph, torch.add, (add_node, node), like=like)
             )
         if add_node is None:
-            return keep_node, False
+            return keep_node, causal
         if keep_node is None:
-            return add_node, False
-        return insert_call(graph, torch.where, (keep_node, add_node, float("-inf")), like=like), False
+            return add_node, causal
+        return insert_call(graph, torch.where, (keep_node, add_node, float("-inf")), like=like), causal
+
+
+def _causal_pattern(sq: int, sk: int) -> torch.Tensor:
+    return torch.ones(sq, sk, dtype=torch.bool).tril()
+
+
+_AND = ("and_", "__and__", "logical_and", "bitwise_and")
+
+
+def _keep_factors(node) -> list:
+    """The factors of a visible-keys mask built as a & b & ..., seen through expand and no-op .to."""
+    name = _name(node) if isinstance(node, Node) else None
+    if node.op == "call_function" and node.target is operator.and_:
+        name = "and_"
+    if name in _AND and len(node.args) == 2 and all(_dtype(a) == torch.bool for a in node.args):
+        return _keep_factors(node.args[0]) + _keep_factors(node.args[1])
+    if name in ("expand", "expand_as", "contiguous") and isinstance(node.args[0], Node):
+        return _keep_factors(node.args[0])
+    if name == "to" and isinstance(node.args[0], Node):
+        src, dst = tensor_meta(node.args[0]), tensor_meta(node)
+        if src is not None and dst is not None and src.dtype == dst.dtype and src.device == dst.device:
+            return _keep_factors(node.args[0])
+    return [node]
+
+
+def _split_keep(node: Node, sq: int, sk: int) -> tuple[list[Node], bool]:
+    """A bool keep-mask as (runtime factors, causal): constant factors that keep everything are dropped,
+    a constant causal factor becomes the causal band. The runtime factors keep their own (smaller)
+    broadcast shapes, so a padding mask reaches the kernel as one row per batch, not (B, 1, Sq, Sk).
+    Exact: visible = AND of the factors, and the band is the causal factor."""
+    factors = _keep_factors(node)
+    runtime, constant = [], None
+    for f in factors:
+        try:
+            value = _const_eval(f)
+        except Exception:  # noqa: BLE001 - a runtime factor
+            runtime.append(f)
+            continue
+        value = torch.as_tensor(value).to(torch.bool)
+        constant = value if constant is None else constant & value
+    if constant is None:
+        return (runtime if len(factors) > 1 else [node]), False
+    if constant.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)) and constant.dim() >= 2:
+        return [node], False
+    constant = constant.broadcast_to(constant.shape[:-2] + (sq, sk)) if constant.dim() >= 2 else constant
+    if bool(constant.all()):
+        return runtime, False
+    if constant.dim() >= 2 and bool((constant == _causal_pattern(sq, sk)).all()):
+        return runtime, True
+    return [node], False
+
+
+def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> Node:
+    """where(keep, 0, fill) with keep = (all-visible constant) & padding ... -> where(padding, 0, fill): the
+    same values after broadcasting, one row per batch. A causal constant factor stays (an additive fill
+    and the causal band differ on rows with no visible key)."""
+    if _name(node) != "where" or len(node.args) != 3 or not isinstance(node.args[0], Node):
+        return node
+    cond = node.args[0]
+    if _dtype(cond) != torch.bool:
+        return node
+    runtime, causal = _split_keep(cond, sq, sk)
+    if causal or not runtime or runtime == [cond]:
+        return node
+    keep = runtime[0]
+    for k in runtime[1:]:
+        keep = insert_call(graph, torch.logical_and, (keep, k), like=like)
+    return insert_call(graph, torch.where, (keep, node.args[1], node.args[2]), like=like)
 
 
 Graph = torch.fx.Graph
@@ -720,6 +796,14 @@ def _permuted(graph, node, perm, like):
     return insert_call(graph, torch.permute, (node, tuple(perm)), like=like)
 
 
+def _mask_kwargs(mask, causal: bool) -> dict:
+    """A causal band next to a mask is the (-1, 0) window (top-left, as is_causal): flash_attention, like
+    SDPA, refuses is_causal together with attn_mask."""
+    if causal and mask is not None:
+        return {"attn_mask": mask, "is_causal": False, "window_size": (-1, 0)}
+    return {"attn_mask": mask, "is_causal": causal}
+
+
 def _rewrite_softmax(graph: Graph, softmax: Node):
     x = softmax.args[0]
     if not isinstance(x, Node) or tensor_meta(x) is None:
@@ -806,9 +890,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         flash_attention,
         (q_in, k_in, v_in),
         {
-            "attn_mask": mask,
+            **_mask_kwargs(mask, is_causal),
             "dropout_p": cand.dropout_p,
-            "is_causal": is_causal,
             "scale": cand.scale_arg(graph, softmax),
             "enable_gqa": enable_gqa,
         },
@@ -826,8 +909,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     ]
     if is_causal:
         details.append("causal")
-    elif mask is not None:
-        details.append("mask")
+    if mask is not None:
+        details.append(f"mask {list(_shape(mask) or [])}")
     if isinstance(cand.dropout_p, Node) or cand.dropout_p:
         details.append(f"dropout={cand.dropout_p}")
     if enable_gqa:
@@ -910,9 +993,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         flash_attention,
         (q, k, v),
         {
-            "attn_mask": mask,
+            **_mask_kwargs(mask, is_causal or causal_from_mask),
             "dropout_p": dropout_p if symbolic_p else float(dropout_p),
-            "is_causal": is_causal or causal_from_mask,
             "scale": scale,
             "enable_gqa": enable_gqa,
         },

@@ -671,11 +671,31 @@ def test_transformers_gpt2_causal_mask_becomes_is_causal():
     assert len(attention) == 2 and all("causal" in d.detail for d in attention)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["bert", "gpt2_padded"])
+def test_padding_masks_reach_the_op_as_one_row_per_batch(name, impl):
+    """transformers materialises (B, 1, S, S) masks from a (B, S) padding mask and constants; the op gets
+    the (B, 1, 1, S) padding factor (the kernel's row-mask path) and the causal band as a window."""
+    model, inputs = _model_case(name, impl)
+    _, graphs = _run_rewritten(model.eval(), **inputs)
+    nodes = _flash_nodes(graphs)
+    assert len(nodes) == 2
+    for node in nodes:
+        shape = tuple(node.kwargs["attn_mask"].meta["example_value"].shape)
+        causal_window = node.kwargs.get("window_size") == (-1, 0)
+        if name == "gpt2_padded" and impl == "eager":
+            # an additive fill with a causal factor: narrowing would change rows that see no key
+            assert shape == (2, 1, 16, 16) and not causal_window
+        else:
+            assert shape == (2, 1, 1, 16)
+            assert causal_window is (name == "gpt2_padded")
+
+
 def test_transformers_dropout_reaches_the_op():
     model, inputs = _model_case("bert", "eager")
     report = flash_backend.explain(model.train(), print_report=False, **inputs)
     assert [d.detail for d in report.rewrites if d.family == "attention"] == [
-        "flash_attention(scale=0.25, mask, dropout=0.1)"
+        "flash_attention(scale=0.25, mask [2, 1, 1, 16], dropout=0.1)"
     ] * 2
 
 
