@@ -25,7 +25,7 @@ import operator
 
 import torch
 import torch.fx
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from fx_passes._match import arg, insert_call, is_number, norm_dim, op_name, tensor_meta, val
 from fx_passes._report import record_near_miss, record_rewrite
@@ -98,10 +98,6 @@ def _shape(node) -> tuple | None:
 def _dtype(node):
     t = tensor_meta(node)
     return t.dtype if t is not None else None
-
-
-def _first_tensor_arg(node: Node) -> Node:
-    return node.args[0]
 
 
 def _single_user(node: Node, user: Node) -> bool:
@@ -377,9 +373,6 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
     return insert_call(graph, torch.where, (keep, node.args[1], node.args[2]), like=like)
 
 
-Graph = torch.fx.Graph
-
-
 # --------------------------------------------------------------------------------------------------------
 # The scores side: softmax input -> ... -> q·kᵀ
 # --------------------------------------------------------------------------------------------------------
@@ -590,7 +583,6 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             raise _Skip("the scores are scaled after an additive mask was added")
         elif kind == "symbolic scale" and seen_mask:
             raise _Skip("the scores are scaled by a symbolic scalar (sign unknown) after masking")
-    cand.steps = steps
     return x
 
 
