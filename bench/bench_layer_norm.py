@@ -10,11 +10,15 @@ Bytes that must move, per element (e = 2 bytes for bf16; weight/bias are added b
 No dropout mask is counted: ours regenerates it from a seed. shared/ANCHORS.md counted a 1-byte mask in
 fwd (9 B/elem), so its TB/s figures are 9/8 of what the same time gives in this count.
 
+Implementations: `flash` calls our op from Python; `flash_compiled` is the unfused module under
+torch.compile(backend="flash") — the product path, where the pass rewrites it and Inductor launches our
+Triton kernels directly; `eager` and `inductor` run the unfused module.
+
 Each implementation is timed twice: `ms` as called from Python (do_bench; includes launch overhead, which
 is what an eager user sees), and `graph ms` with the step captured in a CUDA graph and replayed (the GPU
 time alone, what CUDA graphs / reduce-overhead users see). Ratios "x Inductor" are Inductor's time / ours.
 
-Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,eager,inductor]
+Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,flash_compiled,eager,inductor]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import Results, bench_ms, env_info, markdown_table  # noqa: E402
+from flash_backend.backend import flash_backend  # noqa: E402
 from flash_backend.ops.add_dropout_norm import add_dropout_norm  # noqa: E402
 
 M = 16384
@@ -91,7 +96,7 @@ def copy_tbps() -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default=",".join(map(str, NS)))
-    ap.add_argument("--impls", default="flash,eager,inductor")
+    ap.add_argument("--impls", default="flash,flash_compiled,eager,inductor")
     args = ap.parse_args()
     ns = [int(v) for v in args.ns.split(",")]
     impls = args.impls.split(",")
@@ -114,6 +119,8 @@ def main():
                 for impl in impls:
                     if impl == "flash":
                         fn = flash
+                    elif impl == "flash_compiled":
+                        fn = torch.compile(unfused, backend=flash_backend, dynamic=False)
                     elif impl == "eager":
                         fn = unfused
                     else:
