@@ -3,12 +3,16 @@
     compiled = torch.compile(model, backend="flash")   # no import needed: setup.py entry point
     flash_backend.explain(model, *example_inputs)       # what was rewritten, and the near misses
 
-The ops are registered under `torch.ops.flash` when this package is imported.
+Importing this package registers the ops under `torch.ops.flash` and the SDPA backend "flash_backend"
+(registered, never activated: `torch.nn.attention.activate_flash_attention_impl("flash_backend")`).
 """
 
 import logging
 
-from flash_backend import ops  # noqa: F401  (registers torch.ops.flash.*)
+from flash_backend import (
+    ops,  # noqa: F401  (registers torch.ops.flash.*)
+    sdpa,  # noqa: F401  (registers the SDPA impl; activates nothing)
+)
 
 logger = logging.getLogger("flash_backend")
 
