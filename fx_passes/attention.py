@@ -341,7 +341,8 @@ def _split_keep(node: Node, sq: int, sk: int) -> tuple[list[Node], bool]:
         except Exception:  # noqa: BLE001 - a runtime factor
             runtime.append(f)
             continue
-        value = torch.as_tensor(value).to(torch.bool)
+        # Compile-time constants are compared on the CPU, whatever device the model runs on.
+        value = torch.as_tensor(value).to(torch.bool).cpu()
         constant = value if constant is None else constant & value
     if constant is None:
         return (runtime if len(factors) > 1 else [node]), False
