@@ -27,6 +27,7 @@ import torch
 import torch.fx
 from torch.fx import Graph, Node
 
+from flash_backend import config as flash_config
 from fx_passes._match import arg, insert_call, is_number, norm_dim, op_name, tensor_meta, val
 from fx_passes._report import record_near_miss, record_rewrite
 
@@ -935,6 +936,11 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     enable_gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
     if not all(isinstance(t, Node) and tensor_meta(t) is not None for t in (q, k, v)):
         raise _Skip("q, k, v are not tensors")
+    if tensor_meta(q).device.type == "cuda" and not flash_config.route_sdpa_calls_on_cuda:
+        raise _Skip(
+            "SDPA already runs a fused CUDA kernel that flash_attention does not beat yet "
+            "(see flash_backend/config.py; set route_sdpa_calls_on_cuda=True to route it)"
+        )
     symbolic_p = isinstance(dropout_p, Node) and isinstance(val(dropout_p), (float, torch.SymFloat))
     if (
         not (is_number(dropout_p) or symbolic_p)

@@ -29,6 +29,7 @@ import importlib
 import torch
 import torch.fx
 
+from flash_backend import config as flash_config
 from fx_passes._match import arg, erase_unused, fake_call, insert_call, is_number, is_op, op_name, tensor_meta
 from fx_passes._report import record_near_miss, record_rewrite
 
@@ -199,6 +200,14 @@ def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _slower_than_unfused(*inputs) -> bool:
+    """A CUDA graph that will need the backward: the fused op loses there today (config.py says why)."""
+    metas = [tensor_meta(t) for t in inputs if t is not None]
+    on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
+    needs_backward = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in metas)
+    return on_cuda and needs_backward and not flash_config.dense_training_on_cuda
+
+
 def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     found = _linear_inputs(linear)
     if found is None:
@@ -216,6 +225,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
 
+    if _slower_than_unfused(x, weight, mat2, bias):
+        raise _Miss(f"{variant}: a training graph on CUDA, where the fused op's forward+backward measured "
+                    "slower than Inductor (see flash_backend/config.py; set dense_training_on_cuda=True "
+                    "to fuse it)")
     if mat2 is not None:
         weight = insert_call(graph, torch.t, (mat2,), like=linear)
     args, kwargs = (x, weight, bias), {"approximate": approximate}
