@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="flash_backend",
     version="0.1.0",
-    description="A torch.compile backend that rewrites attention, norm and dense subgraphs into fused kernels",
+    description="A torch.compile backend rewriting attention, norm and dense subgraphs into fused kernels",
     packages=find_packages(include=["flash_backend", "flash_backend.*", "fx_passes", "fx_passes.*"]),
     python_requires=">=3.10",
     # torch 2.11 (the GPU machine) and 2.13 (CPU/CI) are both supported; triton 3.6 is what the

@@ -1,7 +1,8 @@
 """Helpers shared by the bench scripts: timing, environment stamp, JSON rows and a markdown table.
 
 Every script writes bench/results/<name>.json in the format of shared/DESIGN.md:
-{"env": {"torch", "triton", "gpu", "commit", "date"}, "rows": [{"impl", "mode", "case", "ms", "tflops"|"tbps"}]}
+{"env": {"torch", "triton", "gpu", "commit", "date"},
+ "rows": [{"impl", "mode", "case", "ms", "tflops"|"tbps"}]}
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _commit() -> str:
     if os.environ.get("FLASH_COMMIT"):
         return os.environ["FLASH_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
