@@ -1,0 +1,156 @@
+"""Render the committed H200 results (bench/results/*.json) as the markdown tables of the README.
+
+    python bench/tables.py            # all four tables
+    python bench/tables.py layer_norm
+
+Ratios are ours over each anchor measured in the same run (time ratio: anchor ms / our ms).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.2f}"
+        return str(v)
+
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _stamp(data: dict) -> str:
+    env = data["env"]
+    return (f"_{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}, "
+            f"{env['date']}_")
+
+
+def _ratio(anchor_ms, our_ms):
+    return anchor_ms / our_ms if anchor_ms and our_ms else None
+
+
+def _grouped(data: dict, key) -> dict:
+    groups: dict = defaultdict(dict)
+    for row in data["rows"]:
+        k = key(row)
+        if k is not None:
+            groups[k][row["impl"]] = row
+    return groups
+
+
+def attention() -> str:
+    data = _load("attention")
+
+    def key(r):
+        c = r["case"]
+        heads = f"{c['Hq']}/{c['Hkv']}" if c["Hq"] != c["Hkv"] else str(c["Hq"])
+        mask = " + padding mask" if c.get("mask") else ""
+        return (f"{c['B']},{heads},{c['S']},{c['D']}{mask}", "yes" if c["causal"] else "no", r["mode"])
+
+    rows = []
+    for (shape, causal, mode), impls in _grouped(data, key).items():
+        ours = impls.get("ours")
+        if ours is None:
+            continue
+        tf = {name: impls[name]["tflops"] if name in impls else None for name in ("cudnn", "fa2", "flex")}
+        ratio = {name: ours["tflops"] / v if v else None for name, v in tf.items()}
+        rows.append([shape, causal, mode, ours["tflops"], tf["cudnn"], tf["fa2"], tf["flex"],
+                     ratio["cudnn"], ratio["fa2"], ratio["flex"]])
+    header = ["B,H,S,D", "causal", "mode", "ours TFLOP/s", "cuDNN", "FA2", "flex",
+              "x cuDNN", "x FA2", "x flex"]
+    return _stamp(data) + "\n\n" + _table(header, rows)
+
+
+def dense() -> str:
+    data = _load("dense")
+
+    def key(r):
+        c = r["case"]
+        return (c["approximate"], c["M"], c["K"], c["N"], r["mode"])
+
+    rows = []
+    others = ("eager", "inductor", "inductor_max_autotune", "addmm_activation")
+    for (approx, m, k, n, mode), impls in _grouped(data, key).items():
+        ours = impls.get("flash")
+        if ours is None:
+            continue
+        tf = {name: impls[name]["tflops"] if name in impls else None for name in others}
+        best = max((v for v in tf.values() if v), default=None)
+        ind = tf["inductor"]
+        rows.append([approx, m, f"{k}x{n}", mode, ours["tflops"], *tf.values(),
+                     ours["tflops"] / ind if ind else None, ours["tflops"] / best if best else None])
+    header = ["GELU", "M", "KxN", "mode", "ours TFLOP/s", "eager", "Inductor", "max-autotune",
+              "addmm_act", "x Inductor", "x best other"]
+    return _stamp(data) + "\n\n" + _table(header, rows)
+
+
+def layer_norm() -> str:
+    data = _load("layer_norm")
+    copies = [r["tbps"] for r in data["rows"] if r["impl"] == "copy"]
+    copy = max(copies) if copies else None
+
+    def key(r):
+        c = r["case"]
+        return (c["N"], c["norm"], r["mode"]) if "N" in c else None
+
+    rows = []
+    for (n, norm, mode), impls in sorted(_grouped(data, key).items()):
+        ours, ind, eager = impls.get("flash_compiled"), impls.get("inductor"), impls.get("eager")
+        if ours is None or ind is None:
+            continue
+        rows.append([n, norm, mode, ours["ms"], ind["ms"], eager["ms"] if eager else None,
+                     ind["ms"] / ours["ms"],
+                     ours.get("graph_tbps"), ind.get("graph_tbps"),
+                     _ratio(ind.get("graph_ms"), ours.get("graph_ms")),
+                     ours["graph_tbps"] / copy if copy and ours.get("graph_tbps") else None])
+    header = ["N", "norm", "mode", "flash ms", "Inductor ms", "eager ms", "x Inductor",
+              "flash TB/s (graph)", "Inductor TB/s (graph)", "x Inductor (graph)", "flash of copy (graph)"]
+    note = (f"M=16384, bf16, dropout 0.1 + residual; `flash` = the unfused module under "
+            f"`torch.compile(backend=\"flash\")`; copy ceiling measured in the run: {copy} TB/s; "
+            "(graph) = the step replayed from a CUDA graph, GPU time alone")
+    return _stamp(data) + "\n\n" + note + "\n\n" + _table(header, rows)
+
+
+def e2e() -> str:
+    data = _load("e2e")
+
+    def key(r):
+        c = r["case"]
+        return (c["model"], c.get("attn"), c["batch"], c.get("seq"))
+
+    rows = []
+    for (model, attn, batch, seq), impls in _grouped(data, key).items():
+        ind = impls.get("inductor")
+        for name in ("eager", "inductor", "flash"):
+            r = impls.get(name)
+            if r is None or "throughput" not in r:
+                continue
+            rows.append([f"{model} ({attn} attn) B{batch}" + (f" S{seq}" if seq else ""), name,
+                         round(r["throughput"]), r["unit"],
+                         r["throughput"] / ind["throughput"] if ind else None,
+                         r["peak_mem_gib"], r["first_step_s"], r.get("loss_step20"),
+                         ", ".join(f"{k} {v}" for k, v in r.get("flash_rewrites", {}).items()) or ""])
+    header = ["model", "backend", "throughput", "unit", "x Inductor", "peak GiB", "first step s", "loss@20",
+              "rewrites"]
+    return _stamp(data) + "\n\n" + _table(header, rows)
+
+
+TABLES = {"layer_norm": layer_norm, "attention": attention, "dense": dense, "e2e": e2e}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(TABLES):
+        print(f"### {name}\n\n{TABLES[name]()}\n")
