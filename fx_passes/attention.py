@@ -487,6 +487,9 @@ class _Candidate:
         self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
         self.batch_dims = 2
         self.variant = "matmul"
+        # Finite fill values (e.g. finfo.min) the op treats as -inf. They give the same result except on
+        # rows where every key is masked: eager averages those uniformly, the op returns 0. Reported.
+        self.finite_fills: list[float] = []
 
     def fold(self, factor):
         if isinstance(factor, tuple):
@@ -556,6 +559,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             value = _const_scalar(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
+            if math.isfinite(value):
+                cand.finite_fills.append(value)
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, True))
             consumer, x = x, x.args[0]
@@ -569,6 +574,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             value = _const_scalar(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant")
+            if math.isfinite(value):
+                cand.finite_fills.append(value)
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, not ra))
             consumer, x = x, scores
@@ -909,6 +916,9 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         details.append(f"dropout={cand.dropout_p}")
     if enable_gqa:
         details.append("gqa")
+    if cand.finite_fills:
+        details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf: a row with every key masked "
+                       "gives 0, where eager averages it uniformly")
     record_rewrite(FAMILY, f"softmax({cand.variant})", f"flash_attention({', '.join(details)})", softmax)
 
 

@@ -822,3 +822,25 @@ def test_sdpa_calls_on_cuda_stay_with_pytorch_by_default():
     assert sdpa in graph.nodes
     assert counters["flash"]["attention"] == 0 and counters["flash"]["attention_skipped"] == 1
     assert "route_sdpa_calls_on_cuda" in report.near_misses[0].detail
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e4, float("-inf")])
+def test_finite_fill_taken_as_minus_inf_is_reported(fill):
+    """A finite fill differs from -inf only on rows with every key masked; the report must say so."""
+
+    class PaddedAttention(nn.Module):
+        def forward(self, q, k, v, keep):
+            s = q @ k.transpose(-1, -2) / 8.0
+            s = s.masked_fill(~keep[:, None, None, :], fill)
+            return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(2, 4, 16, 64) for _ in range(3))
+    keep = torch.rand(2, 16) > 0.3
+    keep[:, 0] = True  # no row fully masked: the results agree
+    report = flash_backend.explain(PaddedAttention(), q, k, v, keep, print_report=False)
+    (rewrite,) = report.rewrites
+    assert ("taken as -inf" in rewrite.detail) == (fill != float("-inf"))
+    torch.testing.assert_close(
+        torch.compile(PaddedAttention(), backend=rewrite_only_backend)(q, k, v, keep),
+        PaddedAttention()(q, k, v, keep),
+    )
