@@ -26,6 +26,7 @@ _FUNCTIONS: dict[object, str] = {
     operator.pow: "pow", torch.pow: "pow",
     operator.neg: "neg", torch.neg: "neg",
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.einsum: "einsum",
+    torch.baddbmm: "baddbmm",
     torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.tanh: "tanh", torch.erf: "erf",
     torch.mean: "mean", torch.var: "var", torch.sum: "sum", torch.square: "square",
     torch.where: "where", torch.masked_fill: "masked_fill",

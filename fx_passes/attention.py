@@ -37,6 +37,8 @@ FAMILY = "attention"
 ORDER = 10  # before families that might claim the matmuls or the dropout around attention
 
 _MATMULS = ("matmul", "bmm", "einsum")
+# q·kᵀ may also come from baddbmm (beta·input + alpha·q@kᵀ: GPT-NeoX, Bloom's alibi); never ·v.
+_SCORE_MATMULS = _MATMULS + ("baddbmm",)
 _CASTS = ("to", "type", "float", "half", "bfloat16", "double", "type_as")
 _IDENTITY = ("contiguous", "clone")
 # Filled values at or below this count as "masked out": exp(fill - max) underflows to exactly 0.
@@ -387,7 +389,7 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
         return False
     seen.add(node)
     name = _name(node)
-    if name in _MATMULS:
+    if name in _SCORE_MATMULS:
         return True
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
         return any(_reaches_matmul(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
@@ -506,6 +508,21 @@ class _Candidate:
         return scale
 
 
+def _casts_probs_like(user: Node, template: Node, softmax: Node) -> bool:
+    """`probs.type_as(scores)`: a use of the scores for their dtype only, by a cast in this attention's
+    probabilities chain (which the rewrite removes with the rest)."""
+    if _name(user) != "type_as" or len(user.args) < 2 or user.args[1] is not template:
+        return False
+    node = user.args[0]
+    for _ in range(8):
+        if node is softmax:
+            return True
+        if not isinstance(node, Node) or _name(node) not in _CASTS + _IDENTITY + ("dropout", "dropout_"):
+            return False
+        node = node.args[0]
+    return False
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
     consumer = softmax
@@ -513,11 +530,11 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     while True:
         if not isinstance(x, Node):
             raise _Skip("softmax input is not a tensor")
-        if not _single_user(x, consumer):
-            others = [u.name for u in x.users if u is not consumer]
+        others = [u.name for u in x.users if u is not consumer and not _casts_probs_like(u, x, softmax)]
+        if others:
             raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
         name = _name(x)
-        if name in _MATMULS:
+        if name in _SCORE_MATMULS:
             break
         cand.chain.append(x)
         if name in _CASTS or name in _IDENTITY:
@@ -595,6 +612,30 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     return x
 
 
+def _baddbmm_operands(cand: _Candidate, mm: Node):
+    """beta·input + alpha·(q @ kᵀ): alpha is a scale on the product, input (beta 1) an additive mask."""
+    bias, q, kt = (arg(mm, i, n) for i, n in ((0, "input"), (1, "batch1"), (2, "batch2")))
+    alpha, beta = mm.kwargs.get("alpha", 1), mm.kwargs.get("beta", 1)
+    if not (is_number(alpha) and is_number(beta)):
+        raise _Skip("baddbmm alpha or beta is not a number")
+    cand.fold(float(alpha))
+    if beta not in (0, 1):
+        raise _Skip(f"baddbmm beta={beta}: the input would be scaled, not an additive mask")
+    if beta == 1 and not _is_zero_constant(bias):
+        cand.masks.additive.append(bias)
+    return q, kt
+
+
+def _is_zero_constant(node) -> bool:
+    if is_number(node):
+        return node == 0
+    try:
+        value = _const_eval(node)
+    except Exception:  # noqa: BLE001 - a runtime tensor
+        return False
+    return isinstance(value, torch.Tensor) and not bool(value.any())
+
+
 def _qk(cand: _Candidate, mm: Node):
     """Split q·kᵀ into q and k in (batch..., S, D) layout, folding scales on either."""
     cand.chain.append(mm)
@@ -632,6 +673,8 @@ def _qk(cand: _Candidate, mm: Node):
         return
     cand.variant = name
     q, kt = mm.args[0], mm.args[1]
+    if name == "baddbmm":
+        q, kt = _baddbmm_operands(cand, mm)
     if not (isinstance(q, Node) and isinstance(kt, Node)):
         raise _Skip("q·kᵀ operands are not tensors")
     ndim = len(_shape(q) or ())

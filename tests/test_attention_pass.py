@@ -844,3 +844,50 @@ def test_finite_fill_taken_as_minus_inf_is_reported(fill):
         torch.compile(PaddedAttention(), backend=rewrite_only_backend)(q, k, v, keep),
         PaddedAttention()(q, k, v, keep),
     )
+
+
+class _TypeAsScores(nn.Module):
+    """Llama-1 style: softmax in fp32, cast back with type_as of the scores themselves."""
+
+    def forward(self, q, k, v):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+        p = F.softmax(s.float(), dim=-1).type_as(s)
+        return torch.einsum("bhqk,bhkd->bhqd", p, v)
+
+
+class _BaddbmmScores(nn.Module):
+    """GPT-NeoX / Bloom style: scores from baddbmm, its input an additive bias (beta=1) or ignored."""
+
+    def __init__(self, beta):
+        super().__init__()
+        self.beta = beta
+
+    def forward(self, q, k, v, bias):
+        B, H, S, D = q.shape
+        s = torch.baddbmm(bias, q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2),
+                          beta=self.beta, alpha=1 / math.sqrt(D))
+        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p, v.reshape(B * H, S, D))
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        (_TypeAsScores(), ()),
+        (_BaddbmmScores(beta=1.0), (torch.randn(8, 1, 16),)),  # Bloom's alibi: a per-key bias
+        (_BaddbmmScores(beta=0.0), (torch.full((8, 16, 16), float("nan")),)),  # beta=0 ignores even NaN
+    ],
+)
+def test_more_score_spellings_are_rewritten(model, extra):
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    report = flash_backend.explain(model, q, k, v, *extra, print_report=False)
+    assert report.counts()["attention"] == 1, report
+    compiled = torch.compile(model, backend=rewrite_only_backend)
+    torch.testing.assert_close(compiled(q, k, v, *extra), model(q, k, v, *extra))
+
+
+def test_baddbmm_with_a_scaled_input_is_left_alone():
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    report = flash_backend.explain(_BaddbmmScores(beta=0.5), q, k, v, torch.randn(8, 16, 16),
+                                   print_report=False)
+    assert not report.rewrites and "beta=0.5" in report.near_misses[0].detail
