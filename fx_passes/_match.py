@@ -50,15 +50,29 @@ _METHOD_ALIASES = {
 }
 
 
+_OPERATOR_NAMES = {operator.getitem: "getitem", operator.invert: "invert", operator.eq: "eq"}
+
+
+def _own_name(target) -> str | None:
+    """A torch function the table does not list goes by its own name (torch.ones -> 'ones')."""
+    if target in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[target]
+    fn_name = getattr(target, "__name__", None)
+    if fn_name and any(getattr(mod, fn_name, None) is target for mod in (torch, F, torch.Tensor)):
+        return fn_name
+    return None
+
+
 def op_name(node: object) -> str | None:
     """Canonical name of what node computes ('add', 'layer_norm', 'float', ...), or None."""
     if not isinstance(node, torch.fx.Node):
         return None
     if node.op == "call_function":
         try:
-            return _FUNCTIONS.get(node.target)
+            name = _FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             return None
+        return name if name is not None else _own_name(node.target)
     if node.op == "call_method":
         return _METHOD_ALIASES.get(node.target, node.target)
     return None

@@ -73,26 +73,6 @@ class _Skip(Exception):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _name(node) -> str | None:
-    """op_name, extended with torch functions the shared table does not list (by their own name)."""
-    name = op_name(node)
-    if name is not None or not isinstance(node, Node) or node.op != "call_function":
-        return name
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    if target is operator.invert:
-        return "invert"
-    if target is operator.eq:
-        return "eq"
-    fn_name = getattr(target, "__name__", None)
-    if fn_name and any(
-        getattr(mod, fn_name, None) is target for mod in (torch, torch.nn.functional, torch.Tensor)
-    ):
-        return fn_name
-    return None
-
-
 def _shape(node) -> tuple | None:
     t = tensor_meta(node)
     return tuple(t.shape) if t is not None else None
@@ -125,7 +105,7 @@ def _const_eval(node, memo: dict | None = None):
         return memo[node]
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
-    name = _name(node) or getattr(node.target, "__name__", str(node.target))
+    name = op_name(node) or getattr(node.target, "__name__", str(node.target))
     if any(r in str(name) for r in _RANDOM_OPS) or str(name).endswith("_"):
         raise _Skip("nondeterministic or in-place")
     meta = val(node)
@@ -317,7 +297,7 @@ _AND = ("and_", "__and__", "logical_and", "bitwise_and")
 
 def _keep_factors(node) -> list:
     """The factors of a visible-keys mask built as a & b & ..., seen through expand and no-op .to."""
-    name = _name(node) if isinstance(node, Node) else None
+    name = op_name(node) if isinstance(node, Node) else None
     if node.op == "call_function" and node.target is operator.and_:
         name = "and_"
     if name in _AND and len(node.args) == 2 and all(_dtype(a) == torch.bool for a in node.args):
@@ -363,7 +343,7 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
     """where(keep, 0, fill) with keep = (all-visible constant) & padding ... -> where(padding, 0, fill): the
     same values after broadcasting, one row per batch. A causal constant factor stays (an additive fill
     and the causal band differ on rows with no visible key)."""
-    if _name(node) != "where" or len(node.args) != 3 or not isinstance(node.args[0], Node):
+    if op_name(node) != "where" or len(node.args) != 3 or not isinstance(node.args[0], Node):
         return node
     cond = node.args[0]
     if _dtype(cond) != torch.bool:
@@ -388,7 +368,7 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     if not isinstance(node, Node) or depth == 0 or node in seen:
         return False
     seen.add(node)
-    name = _name(node)
+    name = op_name(node)
     if name in _SCORE_MATMULS:
         return True
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
@@ -412,7 +392,7 @@ def _scale_operand(node: Node):
 
     factor is a float, or ("mul" | "div", node) for a symbolic scalar.
     """
-    name = _name(node)
+    name = op_name(node)
     if name not in ("mul", "div") or len(node.args) != 2:
         return None
     a, b = node.args
@@ -444,7 +424,7 @@ def _strip_scales(cand, node: Node, consumer: Node) -> Node:
 
 def _untranspose(kt: Node, ndim: int) -> Node:
     """k, when kt is k with its last two dims swapped (transpose, permute, .mT); else raise."""
-    name = _name(kt)
+    name = op_name(kt)
     if name == "transpose" or (name == "swapaxes" or name == "swapdims"):
         dims = sorted(norm_dim(d, ndim) for d in (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")))
         if dims == [ndim - 2, ndim - 1]:
@@ -511,13 +491,13 @@ class _Candidate:
 def _casts_probs_like(user: Node, template: Node, softmax: Node) -> bool:
     """`probs.type_as(scores)`: a use of the scores for their dtype only, by a cast in this attention's
     probabilities chain (which the rewrite removes with the rest)."""
-    if _name(user) != "type_as" or len(user.args) < 2 or user.args[1] is not template:
+    if op_name(user) != "type_as" or len(user.args) < 2 or user.args[1] is not template:
         return False
     node = user.args[0]
     for _ in range(8):
         if node is softmax:
             return True
-        if not isinstance(node, Node) or _name(node) not in _CASTS + _IDENTITY + ("dropout", "dropout_"):
+        if not isinstance(node, Node) or op_name(node) not in _CASTS + _IDENTITY + ("dropout", "dropout_"):
             return False
         node = node.args[0]
     return False
@@ -533,7 +513,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
         others = [u.name for u in x.users if u is not consumer and not _casts_probs_like(u, x, softmax)]
         if others:
             raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
-        name = _name(x)
+        name = op_name(x)
         if name in _SCORE_MATMULS:
             break
         cand.chain.append(x)
@@ -612,6 +592,14 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     return x
 
 
+def _einsum_operands(node: Node) -> tuple[object, list]:
+    """(equation, operands) of einsum(eq, a, b) or einsum(eq, [a, b])."""
+    args = node.args
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):
+        return args[0], list(args[1])
+    return args[0], list(args[1:])
+
+
 def _baddbmm_operands(cand: _Candidate, mm: Node):
     """beta·input + alpha·(q @ kᵀ): alpha is a scale on the product, input (beta 1) an additive mask."""
     bias, q, kt = (arg(mm, i, n) for i, n in ((0, "input"), (1, "batch1"), (2, "batch2")))
@@ -639,14 +627,9 @@ def _is_zero_constant(node) -> bool:
 def _qk(cand: _Candidate, mm: Node):
     """Split q·kᵀ into q and k in (batch..., S, D) layout, folding scales on either."""
     cand.chain.append(mm)
-    name = _name(mm)
+    name = op_name(mm)
     if name == "einsum":
-        eq = mm.args[0]
-        operands = (
-            list(mm.args[1])
-            if len(mm.args) == 2 and isinstance(mm.args[1], (list, tuple))
-            else list(mm.args[1:])
-        )
+        eq, operands = _einsum_operands(mm)
         if not isinstance(eq, str) or len(operands) != 2:
             raise _Skip("einsum is not a two-operand contraction")
         (a_l, b_l), out = _parse_einsum(eq, 2)
@@ -695,7 +678,7 @@ def _qk(cand: _Candidate, mm: Node):
 
 def _feeds_matmul(node: Node, depth: int = 8) -> bool:
     for user in node.users:
-        name = _name(user)
+        name = op_name(user)
         if name in _MATMULS:
             return True
         if depth and (
@@ -708,7 +691,7 @@ def _feeds_matmul(node: Node, depth: int = 8) -> bool:
 
 def _dropout_p(node: Node):
     """The dropout probability in effect: 0 outside training, else p (a number, or a SymFloat node)."""
-    name = _name(node)
+    name = op_name(node)
     train_kw = "train" if name == "dropout" and node.target is torch.dropout else "training"
     p, training = arg(node, 1, "p", 0.5), arg(node, 2, train_kw, True)
     if training is False:
@@ -732,7 +715,7 @@ def _probs_side(cand: _Candidate, softmax: Node) -> Node:
             what = "are also returned or reused" if users else "are unused"
             raise _Skip(f"attention probabilities '{x.name}' {what} ({len(users)} users)")
         user = users[0]
-        name = _name(user)
+        name = op_name(user)
         if name in _MATMULS:
             return user
         if name in _CASTS or name in _IDENTITY:
@@ -757,14 +740,9 @@ def _probs_side(cand: _Candidate, softmax: Node) -> Node:
 
 def _pv(cand: _Candidate, pv: Node, probs: Node):
     cand.chain.append(pv)
-    name = _name(pv)
+    name = op_name(pv)
     if name == "einsum":
-        eq = pv.args[0]
-        operands = (
-            list(pv.args[1])
-            if len(pv.args) == 2 and isinstance(pv.args[1], (list, tuple))
-            else list(pv.args[1:])
-        )
+        eq, operands = _einsum_operands(pv)
         if not isinstance(eq, str) or len(operands) != 2 or operands[0] is not probs:
             raise _Skip("the probabilities are not the first operand of the ·v einsum")
         (p_l, v_l), out = _parse_einsum(eq, 2)
@@ -793,7 +771,7 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
 
 
 def _unrepeat(node: Node) -> tuple[Node, int]:
-    name = _name(node)
+    name = op_name(node)
     if name == "repeat_interleave":
         repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
         shape = _shape(node)
@@ -802,10 +780,10 @@ def _unrepeat(node: Node) -> tuple[Node, int]:
         return node, 1
     if name in ("reshape", "view") and isinstance(node.args[0], Node):
         expanded = node.args[0]
-        if _name(expanded) != "expand" or not isinstance(expanded.args[0], Node):
+        if op_name(expanded) != "expand" or not isinstance(expanded.args[0], Node):
             return node, 1
         unsq = expanded.args[0]
-        un = _name(unsq)
+        un = op_name(unsq)
         if un == "unsqueeze" and norm_dim(arg(unsq, 1, "dim"), 5) == 2:
             base = unsq.args[0]
         elif (
@@ -865,11 +843,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     mm = _scores_side(cand, softmax, x)
     _qk(cand, mm)
     pv = _probs_side(cand, softmax)
-    probs = (
-        pv.args[0]
-        if _name(pv) != "einsum"
-        else (pv.args[1][0] if len(pv.args) == 2 and isinstance(pv.args[1], (list, tuple)) else pv.args[1])
-    )
+    probs = _einsum_operands(pv)[1][0] if op_name(pv) == "einsum" else pv.args[0]
     _pv(cand, pv, probs)
     cand.chain.append(softmax)
 
@@ -896,7 +870,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(
             f"q, k, v and the output dtypes differ ({src}, {_dtype(cand.k)}, {_dtype(cand.v)}, {_dtype(pv)})"
         )
-    for node in [n for n in cand.chain if _name(n) in _CASTS] + ([softmax] if sm_dtype is not None else []):
+    for node in [n for n in cand.chain if op_name(n) in _CASTS] + ([softmax] if sm_dtype is not None else []):
         if not _precise_enough(_dtype(node), src):
             raise _Skip(f"'{node.name}' casts to {_dtype(node)}, less precise than the {src} inputs")
     if len(q_shape) != cand.batch_dims + 2 or cand.batch_dims not in (1, 2):
@@ -973,7 +947,7 @@ def _erase_dead(graph: Graph, roots):
         node = pending.pop()
         if getattr(node, "_erased", False) or node.users or node.op not in ("call_function", "call_method"):
             continue
-        if str(_name(node) or node.target).endswith("_"):
+        if str(op_name(node) or node.target).endswith("_"):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
@@ -1075,7 +1049,7 @@ def _functionalize_inplace(graph: Graph) -> None:
             continue
         base = node.args[0]
         # A reader placed before the mutation could be a view that sees it: leave those graphs alone.
-        if _name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
+        if op_name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
             continue
         with graph.inserting_after(node):
             functional = graph.call_method(_INPLACE[node.target], node.args, node.kwargs)
@@ -1093,7 +1067,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
             continue
-        name = _name(node)
+        name = op_name(node)
         if name not in ("softmax", "sdpa"):
             continue
         variant = "scaled_dot_product_attention" if name == "sdpa" else "softmax attention"
