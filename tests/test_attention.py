@@ -229,7 +229,7 @@ def interpreter():
     import os
 
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs the Triton interpreter (CPU-only machine)")
+        pytest.skip("interpreter runs are for CPU-only machines; with a GPU the cuda tests run these kernels")
     import triton.runtime.interpreter as interp
 
     original = interp._patch_lang_tensor
