@@ -79,9 +79,11 @@ class Results:
         return path
 
 
-def markdown_table(header: list[str], rows: list[list]) -> str:
+def markdown_table(header: list[str], rows: list[list], float_fmt: str = ".3g") -> str:
     def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        if v is None:
+            return "–"
+        return format(v, float_fmt) if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]

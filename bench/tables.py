@@ -13,6 +13,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import markdown_table  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -21,16 +25,7 @@ def _load(name: str) -> dict:
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    def fmt(v):
-        if v is None:
-            return "–"
-        if isinstance(v, float):
-            return f"{v:.2f}"
-        return str(v)
-
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
-    return "\n".join(out)
+    return markdown_table(header, rows, float_fmt=".2f")
 
 
 def _stamp(data: dict) -> str:
