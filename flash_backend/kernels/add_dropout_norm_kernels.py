@@ -14,6 +14,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _mean_of(total, count):
+    """total / count rounded correctly. Triton's `/` on fp32 is an approximate division (up to 2 ulp): for
+    a row whose values are all equal (N = 1 LayerNorm) h - mean must be exactly 0, else rstd = 1/sqrt(eps)
+    amplifies the ulp into a visible error in dx."""
+    return tl.math.div_rn(total, count * 1.0)  # count may be an int (N == 1 is specialised to a constexpr)
+
+
+@triton.jit
 def _dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N: tl.constexpr):
     """Keep-mask of BLOCK_N columns from col_start (a multiple of 4): one Philox call per 4 columns."""
     quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
@@ -80,12 +88,12 @@ def _add_dropout_norm_fwd_kernel(
             tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
             h = h.to(tl.float32)
         if IS_RMS_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(h * h, axis=0), N) + eps)
             y = h * rstd
         else:
-            mean = tl.sum(h, axis=0) / N
+            mean = _mean_of(tl.sum(h, axis=0), N)
             hc = tl.where(mask, h - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(hc * hc, axis=0), N) + eps)
             tl.store(MEAN + row, mean)
             y = hc * rstd
         tl.store(RSTD + row, rstd)
@@ -114,13 +122,13 @@ def _add_dropout_norm_fwd_kernel(
             else:
                 n_prev = (col_start * 1.0)
                 n_c = tl.minimum(N - col_start, BLOCK_N) * 1.0
-                mean_c = tl.sum(h, axis=0) / n_c
+                mean_c = _mean_of(tl.sum(h, axis=0), n_c)
                 hc = tl.where(mask, h - mean_c, 0.0)
                 delta = mean_c - mean
                 total = n_prev + n_c
                 mean += delta * (n_c / total)
                 m2 += tl.sum(hc * hc, axis=0) + delta * delta * (n_prev * n_c / total)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        rstd = 1.0 / tl.sqrt(_mean_of(m2, N) + eps)
         if not IS_RMS_NORM:
             tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)
@@ -240,8 +248,8 @@ def _add_dropout_norm_bwd_kernel(
                 dw += dy * xhat
             if HAS_BIAS:
                 db += dy
-            c1 = tl.sum(xhat * wdy, axis=0) / N
-            c2 = 0.0 if IS_RMS_NORM else tl.sum(wdy, axis=0) / N
+            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
+            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
             _store_input_grads(DRESIDUAL_OUT, DRESIDUAL, DX, seed, row, 0, mask, dy, xhat, wdy, c1, c2,
                                rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_out_row,
                                stride_dres_row, stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT,
@@ -270,8 +278,8 @@ def _add_dropout_norm_bwd_kernel(
                                                 stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
                 s1 += tl.sum(xhat * wdy, axis=0)
                 s2 += tl.sum(wdy, axis=0)
-            c1s = tl.where(row_ids == i, s1 / N, c1s)
-            c2s = tl.where(row_ids == i, s2 / N, c2s)
+            c1s = tl.where(row_ids == i, _mean_of(s1, N), c1s)
+            c2s = tl.where(row_ids == i, _mean_of(s2, N), c2s)
         # Phase 2: chunk-major, so that this chunk's dW/dB stay in registers across the program's rows.
         for c in range(NUM_CHUNKS):
             col_start = c * BLOCK_N
