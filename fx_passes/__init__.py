@@ -69,4 +69,9 @@ class FlashGraphPass(CustomGraphPass):
         root = Path(__file__).resolve().parent
         files = sorted(root.glob("*.py")) + sorted((root.parent / "flash_backend" / "ops").glob("*.py"))
         chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
-        return (get_hash_for_files(tuple(str(f) for f in files)), chained)
+        # ...and on the switches that gate rewrites (flash_backend/config.py): a graph compiled with a
+        # switch on must not be served from the cache to a process that has it off.
+        from flash_backend import config
+
+        switches = (config.route_sdpa_calls_on_cuda, config.dense_training_on_cuda)
+        return (get_hash_for_files(tuple(str(f) for f in files)), chained, switches)

@@ -105,6 +105,14 @@ def test_pass_uuid_is_stable_and_tracks_sources():
     assert a.uuid() == b.uuid() and a.uuid()[0]
 
 
+def test_pass_uuid_tracks_the_rewrite_switches(monkeypatch):
+    from flash_backend import config
+
+    before = fx_passes.FlashGraphPass().uuid()
+    monkeypatch.setattr(config, "route_sdpa_calls_on_cuda", not config.route_sdpa_calls_on_cuda)
+    assert fx_passes.FlashGraphPass().uuid() != before
+
+
 def test_every_family_has_the_module_interface():
     modules = fx_passes.family_modules()
     for module in modules:
