@@ -37,6 +37,9 @@ CONFIGS = {
     "vit-eager": ("vit", "eager", 64, 224),
 }
 MODES = ("eager", "inductor", "flash")
+# flash with F.scaled_dot_product_attention calls routed to our attention op too (off by default on CUDA:
+# flash_backend/config.py route_sdpa_calls_on_cuda); only differs from "flash" on the *-sdpa configs.
+EXTRA_MODES = ("flash_route_sdpa",)
 
 
 def _build(model: str, attn: str, batch: int, size: int):
@@ -73,6 +76,7 @@ def _build(model: str, attn: str, batch: int, size: int):
 
 
 def _run_mode(config: str, mode: str, results: Results, table: list):
+    from flash_backend import config as flash_config
     from flash_backend.backend import flash_backend as flash_backend_fn
     from fx_passes._compat import counters
 
@@ -82,6 +86,7 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     torch.cuda.empty_cache()
     net, inputs, items = _build(model_name, attn, batch, size)
     counters.clear()
+    flash_config.route_sdpa_calls_on_cuda = mode == "flash_route_sdpa"
     forward = (
         net
         if mode == "eager"
@@ -139,7 +144,7 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
             peak_gib,
             first_step_s,
             loss20,
-            rewrites.get("attention", 0) if mode == "flash" else "",
+            rewrites.get("attention", 0) if mode.startswith("flash") else "",
         ]
     )
     print(
@@ -155,6 +160,7 @@ def main():
     )
     parser.add_argument("--configs", default="gpt2-eager,gpt2-sdpa,bert-sdpa,vit-sdpa")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new config after this")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {MODES + EXTRA_MODES}")
     args = parser.parse_args()
     import flash_backend  # noqa: F401  (registers the ops; the backend is found through the entry point)
 
@@ -168,7 +174,9 @@ def main():
         if time.perf_counter() - start > args.budget_s:
             skipped.append(config)
             continue
-        for mode in MODES:
+        for mode in args.modes.split(","):
+            if mode == "flash_route_sdpa" and not config.endswith("-sdpa"):
+                continue  # no SDPA call to route: the same graph as "flash"
             try:
                 _run_mode(config, mode, results, table)
             except Exception as e:  # noqa: BLE001 - one failing mode must not cost the others' numbers
