@@ -28,3 +28,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 route_sdpa_calls_on_cuda: bool = _env_flag("FLASH_BACKEND_ROUTE_SDPA", False)
 dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", False)
+
+# Not a rewrite switch: eager calls of flash_attention / add_dropout_norm on plain CUDA tensors skip the
+# dispatcher (flash_backend/ops/_eager.py); off sends every call through the registered torch.ops.flash ops.
+eager_direct_calls: bool = _env_flag("FLASH_BACKEND_EAGER_DIRECT", True)

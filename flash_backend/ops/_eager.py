@@ -1,0 +1,44 @@
+"""The eager fast path: plain eager calls run an op's launchers through a torch.autograd.Function.
+
+Why: on the H200 host, one call of a registered custom op with autograd (`torch.ops.flash.*` -> dispatcher
+-> Python autograd kernel -> redispatch -> the triton_op body) cost ~0.2-0.3 ms of host time, more than
+the kernels of a small attention or of a LayerNorm over a few MB take on the GPU (bench/NOTES_attention.md
+and NOTES_layer_norm.md, "host overhead"). SDPA's own call costs ~0.05 ms there.
+
+What stays on the registered op: anything traced or transformed — torch.compile / export / make_fx (fake
+or functional tensors, dispatch or function modes), torch.func transforms, tensor subclasses — and CPU
+tensors (the reference path). Those are exactly what opcheck and the compile tests cover; the fast path
+runs the very same launcher functions with plain Triton launches instead of `wrap_triton`, and the cuda
+tests compare it with the op path bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_backend import config
+
+
+def plain_launch(kernel):
+    """The `launch=` argument of our launchers for direct calls: `kernel[grid](...)` as Triton runs it."""
+    return kernel
+
+
+def direct_call_ok(*tensors, device_type: str = "cuda") -> bool:
+    """True when tensors (None allowed) may skip the dispatcher: plain CUDA tensors, nothing tracing.
+
+    device_type is a parameter so that the CPU tests can check every other condition."""
+    if not config.eager_direct_calls:
+        return False
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0 or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != device_type:
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True
