@@ -2,6 +2,8 @@
 
     python bench/bench_attention.py            # the ANCHORS grid + D256 S16k + GQA + padding mask
     python bench/bench_attention.py --sweep    # time kernel configs per head_dim (to fill the tables)
+    python bench/bench_attention.py --dropout  # dropout p=0.1 against the SDPA backends that take it
+    python bench/bench_attention.py --overhead # host vs device time per call, small case
 
 TFLOP/s use flops = 4*B*H*S^2*D, halved when causal; fwd+bwd counts 3.5x the forward.
 """
@@ -210,6 +212,54 @@ def run_sweep(args):
                           f"{str(e)[:100]}")
 
 
+DROPOUT_ROWS = [  # (B, H, S, D, causal): GPT-2 small's attention, and two of the grid's shapes
+    (16, 12, 1024, 64, True),
+    (8, 16, 2048, 64, False),
+    (4, 16, 4096, 128, True),
+]
+
+
+def run_dropout(args):
+    """Attention dropout p=0.1 (training): ours against the SDPA backends that take dropout, and our own
+    p=0 time, so the table shows what dropout costs each. Writes bench/results/attention_dropout.json."""
+    res = Results("attention_dropout")
+    table = []
+    for B, H, S, D, causal in DROPOUT_ROWS:
+        q, k, v, _ = _inputs(B, H, H, S, D, None)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        case = dict(B=B, Hq=H, Hkv=H, S=S, D=D, causal=causal, dropout_p=0.1, dtype="bf16")
+        impls = {"ours": functools.partial(flash_attention, q, k, v, dropout_p=0.1, is_causal=causal),
+                 "ours_p0": functools.partial(flash_attention, q, k, v, is_causal=causal)}
+        for name, backend in SDPA_BACKENDS.items():
+            impls[name] = functools.partial(_sdpa_dropout, backend, q, k, v, causal)
+        row = {}
+        for mode in ("fwd", "fwd+bwd"):
+            mode_flops = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+            for name, fn in impls.items():
+                try:
+                    ms = _time(fn, q, k, v, mode)
+                except Exception as e:  # a backend without dropout support here
+                    print(f"  {name} {mode} {case}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    continue
+                row[(name, mode)] = mode_flops / ms / 1e9
+                res.add(name, mode, case, ms, tflops=row[(name, mode)])
+            ours = row.get(("ours", mode))
+            best = max((row[(n, mode)] for n in SDPA_BACKENDS if (n, mode) in row), default=None)
+            table.append([f"{B},{H},{S},{D}", "yes" if causal else "no", mode, ours,
+                          row.get(("ours_p0", mode)), row.get(("cudnn", mode)), row.get(("fa2", mode)),
+                          row.get(("efficient", mode)), f"{ours / best:.2f}" if ours and best else "-"])
+        del q, k, v
+    path = res.write()
+    print(f"\nwrote {path}\n")
+    print(markdown_table(["B,H,S,D", "causal", "mode", "ours p=0.1 TF/s", "ours p=0", "cudnn", "fa2",
+                          "efficient", "x best sdpa"], table, float_fmt=".0f"))
+
+
+def _sdpa_dropout(backend, q, k, v, causal):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=causal)
+
+
 def run_overhead(args):
     """Host time per call (no sync) against device time: says when a small case is launch-bound."""
     for causal in (False, True):
@@ -245,9 +295,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="skip the largest rows")
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")
+    p.add_argument("--dropout", action="store_true", help="attention dropout p=0.1 against SDPA's backends")
     args = p.parse_args()
     if args.overhead:
         run_overhead(args)
+    elif args.dropout:
+        run_dropout(args)
     elif args.sweep:
         run_sweep(args)
     else:
