@@ -265,7 +265,7 @@ def test_bad_input_raises(kwargs, exc, match):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None):
+def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None, bwd_config=None):
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, True, not rms)
     seed = _seed(device) if p else None
     args = (x, r, w, b, seed, 1e-5, p, rms, False, True)
@@ -278,7 +278,7 @@ def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=
     dy = torch.randn_like(x)
     dres = torch.randn_like(h)
     bargs = (dy, dres, h, w, b, mean, rstd, seed, p, rms, has_residual, x.dtype, x.dtype)
-    got = adn.add_dropout_norm_bwd_launch(*bargs)
+    got = adn.add_dropout_norm_bwd_launch(*bargs, config=bwd_config)
     ref = adn._bwd_cpu(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in bargs])
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g.cpu(), e, **tol)
@@ -300,9 +300,92 @@ def test_interpret_kernels(n, rms):
 def test_interpret_chunked_rows(monkeypatch, rms):
     """Rows wider than the register limit loop over chunks; shrink the limit so tiny rows take that path."""
     monkeypatch.setattr(adn, "_MAX_FUSED_N_FWD", 16)
-    monkeypatch.setattr(adn, "_MAX_FUSED_N_BWD", 32)
     for n in (17, 100):
-        _compare_launchers(5, n, torch.float32, rms, 0.2, True)
+        _compare_launchers(5, n, torch.float32, rms, 0.2, True, bwd_config=adn.BwdConfig(8, 32, max_fused=32))
+
+
+class _LaunchSpy:
+    """`launch=` wrapper that records the meta-parameters of each kernel launch."""
+
+    def __init__(self):
+        self.meta = []
+
+    def __call__(self, kernel):
+        def grid(g):
+            def run(*args, **kwargs):
+                self.meta.append(kwargs)
+                return kernel[g](*args, **kwargs)
+
+            return run
+
+        return type("Spied", (), {"__getitem__": lambda _, g: grid(g)})()
+
+
+def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bias, has_dres,
+                       dtype=torch.float32, device="cpu", expect_rows_per_iter=None):
+    """The backward launcher under `config` against the reference backward, on forward outputs of the kernel's
+    own reference (so that only the backward is under test)."""
+    x, r, w, b = _inputs((rows, n), dtype, device, has_residual, has_weight, has_bias and not rms)
+    seed = _seed(device) if p else None
+    _, h, mean, rstd = adn._fwd_cpu(x, r, w, b, seed, 1e-5, p, rms, False, True)
+    dy = torch.randn_like(x)
+    dres = torch.randn_like(h) if has_dres else None
+    bargs = (dy, dres, h, w, b, mean, rstd, seed, p, rms, has_residual, x.dtype, x.dtype)
+    spy = _LaunchSpy()
+    got = adn.add_dropout_norm_bwd_launch(*bargs, config=config, launch=spy)
+    if expect_rows_per_iter is not None:
+        assert spy.meta[0]["ROWS_PER_ITER"] == expect_rows_per_iter and spy.meta[0]["NUM_CHUNKS"] == 1
+    ref = adn._bwd_cpu(*bargs)
+    tol = dict(atol=FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
+    for name, g, e in zip(("dx", "dresidual", "dweight", "dbias"), got, ref, strict=True):
+        assert g.shape == e.shape, name
+        torch.testing.assert_close(g, e, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# (N, dropout_p, residual, weight, bias, dresidual_out): every flag on and off at least once; N=1 is the
+# exact-mean LayerNorm case, 97 and 1000 leave masked-off columns.
+_BWD_VARIANT_CASES = [
+    (97, 0.3, True, True, True, True),
+    (97, 0.0, False, True, False, False),
+    (97, 0.2, True, False, False, True),
+    (97, 0.0, True, False, True, False),
+    (1, 0.2, True, True, True, True),
+    (1000, 0.1, True, True, True, True),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("rows_per_iter", [1, 2, 4])
+@pytest.mark.parametrize("rms", [False, True])
+def test_interpret_bwd_rows_per_iter(rows_per_iter, rms):
+    """Each backward loop form (one row, or a [ROWS_PER_ITER, BLOCK_N] tile) against the reference grads.
+    37 rows over the interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so the last program's
+    rows end inside a tile."""
+    config = adn.BwdConfig(8, 32, rows_per_iter)
+    for case in _BWD_VARIANT_CASES:
+        _check_bwd_variant(config, 37, *case[:1], rms, *case[1:], expect_rows_per_iter=rows_per_iter)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+def test_interpret_bwd_tile_clamped_to_program_rows():
+    """Fewer rows per program than the tile's height: the tile shrinks (5 rows over 4 programs: 2 each)."""
+    _check_bwd_variant(adn.BwdConfig(8, 32, 4), 5, 40, False, 0.2, True, True, True, True,
+                       expect_rows_per_iter=2)
+    _check_bwd_variant(adn.BwdConfig(8, 32, 4), 1, 40, True, 0.2, True, True, False, True,
+                       expect_rows_per_iter=1)
+
+
+def test_bwd_config_table():
+    """Every N has a shipped backward shape, and each is a legal one."""
+    for rms in (False, True):
+        for n in (1, 768, 1024, 1025, 4096, 8192, 8193, 16384, 16385, adn.MAX_N):
+            cfg = adn.bwd_config(n, rms)
+            assert isinstance(cfg, adn.BwdConfig)
+            for v in (cfg.elems_per_thread, cfg.rows_per_iter, cfg.max_fused):
+                assert v >= 1 and v & (v - 1) == 0, (n, rms, cfg)
+            assert cfg.max_fused >= 16 and cfg.warps_per_sm >= 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -393,3 +476,20 @@ def test_cuda_inductor_fullgraph(rms):
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
     torch.autograd.grad(compiled(*params, p=0.2), params)  # dropout traces and runs too
+
+
+# Backward launch shapes the sweep (bench_layer_norm.py --sweep-bwd) times, beyond the shipped table.
+_CUDA_BWD_CONFIGS = [(8, 32, 1), (4, 32, 1), (16, 16, 1), (8, 16, 2), (8, 32, 2), (16, 16, 2), (8, 16, 4),
+                     (16, 32, 1, 16384), (32, 16, 1, 16384)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", _CUDA_BWD_CONFIGS, ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+def test_cuda_bwd_variants(config, rms):
+    """Each candidate backward shape against the reference grads on the GPU (odd M, masked columns, bf16)."""
+    for n, dtype in [(97, torch.float32), (1000, torch.bfloat16), (4096, torch.bfloat16),
+                     (12000, torch.float32)]:
+        rows = 1000 + 37 if n <= 4096 else 301
+        _check_bwd_variant(config, rows, n, rms, 0.1, True, True, True, True, dtype=dtype, device="cuda")
+        _check_bwd_variant(config, rows, n, rms, 0.0, False, True, False, False, dtype=dtype, device="cuda")

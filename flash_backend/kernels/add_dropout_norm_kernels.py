@@ -2,9 +2,11 @@
 
 Forward: one program per row. A row of up to BLOCK_N columns is held in registers; wider rows loop over
 BLOCK_N-wide chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
-Backward: persistent programs of ROWS_PER_PROGRAM rows each keep their partial dW/dB in registers and write
-one partial row each (the launcher sums them). Chunked rows first compute every row's two reductions, then
-go chunk-major so the chunk's dW/dB still stay in registers.
+Backward: persistent programs of rows_per_program rows each keep their partial dW/dB in registers and write
+one partial row each (the launcher sums them). A row that fits in registers is handled one row per loop
+iteration (ROWS_PER_ITER = 1) or as a [ROWS_PER_ITER, BLOCK_N] tile, which puts several rows' loads in
+flight before the block-wide reductions stall the program. Chunked rows first compute every row's two
+reductions, then go chunk-major so the chunk's dW/dB still stay in registers.
 Dropout: Philox (`tl.randint4x`), one call per 4 columns, counter = row * cdiv(N, 4) + col // 4, keep when
 the top 24 bits of the word are >= round(p * 2**24); `dropout_keep_mask` in the op file is the same in torch.
 """
@@ -22,11 +24,32 @@ def _mean_of(total, count):
 
 
 @triton.jit
+def _means_of(totals, count):
+    """_mean_of for a vector of totals: div_rn does not broadcast a scalar divisor."""
+    return tl.math.div_rn(totals, tl.full(totals.shape, count, tl.float32))
+
+
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N: tl.constexpr):
     """Keep-mask of BLOCK_N columns from col_start (a multiple of 4): one Philox call per 4 columns."""
     quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
     r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_N,))
+    return (r >> (32 - 24)).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _dropout_keep_rows(seed, rows, n_quads, threshold, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_dropout_keep of the first BLOCK_N columns of each of `rows` (int64): the same counters, so the same
+    mask as the one-row form."""
+    quads = tl.arange(0, BLOCK_N // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, rows[:, None] * n_quads + quads[None, :])
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (ROWS, BLOCK_N))
     return (r >> (32 - 24)).to(tl.int32) >= threshold
 
 
@@ -211,11 +234,15 @@ def _add_dropout_norm_bwd_kernel(
     stride_dx_row,
     stride_dres_row,
     M,
+    rows_per_program,  # rows of each program (the last one stops at M)
     N,
     n_quads,
     dropout_threshold,
     dropout_scale,
-    ROWS_PER_PROGRAM: tl.constexpr,  # a power of two; rows past M are masked off
+    # Chunked rows (NUM_CHUNKS > 1) unroll over the program's rows: there rows_per_program == this, a power
+    # of two (rows past M are masked off); fused rows loop to a runtime bound and ignore it.
+    ROWS_PER_PROGRAM: tl.constexpr,
+    ROWS_PER_ITER: tl.constexpr,  # rows per loop iteration of a fused row (NUM_CHUNKS == 1); a power of two
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -227,16 +254,16 @@ def _add_dropout_norm_bwd_kernel(
 ):
     pid = tl.program_id(0)
     dropout_scale = tl.cast(dropout_scale, tl.float32)  # fp64 under Inductor
-    row_start = pid * ROWS_PER_PROGRAM
+    row_start = pid * rows_per_program
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1:
+    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
         cols = tl.arange(0, BLOCK_N)
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
         # A while loop over a runtime bound: a constant-trip for loop costs ~90 more registers here (fewer
         # programs per SM), and the interpreter cannot range() over a runtime bound.
         r = row_start
-        row_end = tl.minimum(row_start + ROWS_PER_PROGRAM, M)
+        row_end = tl.minimum(row_start + rows_per_program, M)
         while r < row_end:
             row = r.to(tl.int64)
             mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
@@ -255,6 +282,66 @@ def _add_dropout_norm_bwd_kernel(
                                stride_dres_row, stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT,
                                HAS_DROPOUT, STORE_DRESIDUAL)
             r += 1
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
+    elif NUM_CHUNKS == 1:
+        # A [ROWS_PER_ITER, BLOCK_N] tile per iteration. The row reductions are block-wide (barriers), so
+        # everything that does not depend on them is issued first: the loads of all the tile's rows
+        # (dresidual_out too, which the one-row path loads only after its reductions) and the Philox mask,
+        # whose ALU work then overlaps the load latency. Per-row values stay [ROWS_PER_ITER, 1] (keep_dims),
+        # in the tile's own layout.
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        col_mask = cols < N
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        r = row_start
+        row_end = tl.minimum(row_start + rows_per_program, M)
+        while r < row_end:
+            rows = r + tl.arange(0, ROWS_PER_ITER)
+            in_range = rows < row_end
+            rows = rows.to(tl.int64)
+            mask = in_range[:, None] & col_mask
+            h = tl.load(H + rows[:, None] * stride_h_row + cols, mask=mask, other=0.0)
+            dy = tl.load(DY + rows[:, None] * stride_dy_row + cols, mask=mask, other=0.0)
+            dres_out = tl.load(DRESIDUAL_OUT + rows[:, None] * stride_dres_out_row + cols, mask=mask,
+                               other=0.0) if HAS_DRESIDUAL_OUT else 0.0
+            w = tl.load(WEIGHT + cols, mask=col_mask, other=0.0) if HAS_WEIGHT else 1.0
+            # Loaded as [ROWS_PER_ITER] then expanded: a [ROWS_PER_ITER, 1] load would be issued once per
+            # column a thread holds. rstd = 0 on masked-off rows makes their dh 0.
+            rstd = tl.load(RSTD + rows, mask=in_range, other=0.0)[:, None]
+            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + rows, mask=in_range, other=0.0)[:, None]
+            if HAS_DROPOUT:
+                keep = _dropout_keep_rows(seed, rows, n_quads, dropout_threshold, ROWS_PER_ITER, BLOCK_N)
+            h = h.to(tl.float32)
+            dy = dy.to(tl.float32)
+            if IS_RMS_NORM:
+                xhat = h * rstd
+            else:
+                xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            wdy = dy * w.to(tl.float32) if HAS_WEIGHT else dy
+            if HAS_WEIGHT:
+                dw += tl.sum(dy * xhat, axis=0)
+            if HAS_BIAS:
+                db += tl.sum(dy, axis=0)
+            if IS_RMS_NORM:
+                c1 = _means_of(tl.sum(xhat * wdy, axis=1, keep_dims=True), N)
+                dh = (wdy - xhat * c1) * rstd
+            else:
+                # One reduction of both sums: one set of barriers instead of two.
+                s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair, keep_dims=True)
+                dh = (wdy - (xhat * _means_of(s1, N) + _means_of(s2, N))) * rstd
+            if HAS_DRESIDUAL_OUT:
+                dh += dres_out.to(tl.float32)
+            if STORE_DRESIDUAL:
+                tl.store(DRESIDUAL + rows[:, None] * stride_dres_row + cols,
+                         dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
+            if HAS_DROPOUT:
+                dh = tl.where(keep, dh * dropout_scale, 0.0)
+            tl.store(DX + rows[:, None] * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
+            r += ROWS_PER_ITER
+        cols = tl.arange(0, BLOCK_N)
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
         if HAS_BIAS:

@@ -22,6 +22,7 @@ One pass over memory in each direction. Trade-offs:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,15 +35,30 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
 
 MAX_N = 65536
 _MIN_BLOCK_N = 16
-# Launch shapes: the ones that passed the H200 tests and produced bench/results/layer_norm.json. A later
-# sweep (bench/NOTES_layer_norm.md) found faster backward shapes (16 elements per thread; LayerNorm 16
-# warps/SM; RMSNorm fused up to 16384 columns), not yet validated on the GPU.
+# Forward launch shape: the one that passed the H200 tests and produced bench/results/layer_norm.json.
 _MAX_FUSED_N_FWD = 16384
-_MAX_FUSED_N_BWD = 8192
 _FWD_ELEMS_PER_THREAD = 16  # elements of a row per thread
-_BWD_ELEMS_PER_THREAD = 8
-_BWD_WARPS_PER_SM = 32  # warps per SM that the persistent backward programs fill
-_BWD_NUM_STAGES = None  # None: Triton's default
+_MAX_FUSED_N_BWD = 8192  # the shipped backward's widest row in registers (every _BWD_CONFIGS entry today)
+
+
+class BwdConfig(NamedTuple):
+    """Launch shape of the backward kernel (add_dropout_norm_bwd_launch's `config`; a plain tuple works)."""
+
+    elems_per_thread: int  # elements of a row per thread: num_warps = BLOCK_N / (32 * this), at most 32
+    warps_per_sm: int  # warps per SM the persistent programs are sized to fill (sets the program count)
+    rows_per_iter: int = 1  # rows per loop iteration, a power of two; a thread holds rows * elems values
+    max_fused: int = _MAX_FUSED_N_BWD  # widest row kept in registers; wider rows loop over such chunks
+    num_stages: int | None = None  # None: Triton's default
+
+
+_BWD_SHIPPED = BwdConfig(8, 32)
+# Backward launch shapes per (largest next_power_of_2(N) of the bucket, is_rms_norm), first bucket that
+# holds N wins. All are the shape that passed the H200 tests; `bench_layer_norm.py --sweep-bwd` times the
+# candidates (bench/NOTES_layer_norm.md has an earlier sweep: 16 elements per thread, LayerNorm 16
+# warps/SM, RMSNorm fused to 16384 columns were faster but not yet validated).
+_BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
+    (bucket, rms): _BWD_SHIPPED for bucket in (1024, 2048, 4096, 8192, 16384, MAX_N) for rms in (False, True)
+}
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
 # Philox-4x32 constants, as in triton.language.random.philox_impl.
@@ -266,15 +282,24 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_programs(device: torch.device, m: int, num_warps: int) -> int:
+def _num_programs(device: torch.device, m: int, num_warps: int, warps_per_sm: int) -> int:
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        return min(m, sms * max(1, _BWD_WARPS_PER_SM // num_warps))
+        return min(m, sms * max(1, warps_per_sm // num_warps))
     return min(m, 4)
 
 
+def bwd_config(n: int, is_rms_norm: bool) -> BwdConfig:
+    """The shipped backward launch shape for rows of n columns."""
+    block_n = triton.next_power_of_2(n)
+    bucket = min(b for b, rms in _BWD_CONFIGS if rms == is_rms_norm and b >= block_n)
+    return _BWD_CONFIGS[(bucket, is_rms_norm)]
+
+
 def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm,
-                                has_residual, x_dtype, residual_dtype, *, launch=None):
+                                has_residual, x_dtype, residual_dtype, *, launch=None, config=None):
+    """Allocate the grads and run the backward kernel. `config` (a BwdConfig or tuple) overrides the shipped
+    launch shape, for sweeps and tests."""
     dx, dresidual, dweight, dbias = _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype)
     n = h.shape[-1]
     m = rstd.shape[0]
@@ -287,11 +312,24 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     h2, dy2, dres_out2 = _rows(h, n), _rows(dy, n), _rows(dresidual_out, n)
     dx2 = dx.view(-1, n)
     dres2 = dresidual.view(-1, n) if has_residual else dx2
-    block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_BWD)
-    num_warps = _num_warps(block_n, _BWD_ELEMS_PER_THREAD, 32)
-    programs = _num_programs(h.device, m, num_warps)
-    # A power of two, so that varying M compiles only a few variants.
-    rows_per_program = triton.next_power_of_2(triton.cdiv(m, programs))
+    cfg = BwdConfig(*config) if config is not None else bwd_config(n, is_rms_norm)
+    block_n, num_chunks = _block_and_chunks(n, cfg.max_fused)
+    num_warps = _num_warps(block_n, cfg.elems_per_thread, 32)
+    programs = _num_programs(h.device, m, num_warps, cfg.warps_per_sm)
+    rows_per_program = triton.cdiv(m, programs)
+    if num_chunks == 1:
+        # A runtime bound: M splits evenly over the programs, in whole tiles. A tile taller than the
+        # program's rows would be mostly masked off: halve it (a loop, as m may be a SymInt).
+        rows_per_iter = cfg.rows_per_iter
+        while rows_per_iter > 1 and rows_per_iter > rows_per_program:
+            rows_per_iter //= 2
+        rows_per_program = triton.cdiv(rows_per_program, rows_per_iter) * rows_per_iter
+        const_rows_per_program = 1
+    else:
+        # Chunked rows unroll over the program's rows: a power of two, so that varying M compiles only a few
+        # variants. They have no multi-row form.
+        rows_per_iter = 1
+        rows_per_program = const_rows_per_program = triton.next_power_of_2(rows_per_program)
     programs = triton.cdiv(m, rows_per_program)
     f32 = dict(dtype=torch.float32, device=h.device)
     dw_partial = torch.empty((programs, n) if weight is not None else (0,), **f32)
@@ -303,11 +341,12 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
         dx2, dres2, dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
         h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
-        dres2.stride(0), m, n, triton.cdiv(n, 4), _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
-        ROWS_PER_PROGRAM=rows_per_program, BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
+        dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, 4), _dropout_threshold(dropout_p),
+        1.0 / (1.0 - dropout_p), ROWS_PER_PROGRAM=const_rows_per_program, ROWS_PER_ITER=rows_per_iter,
+        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
-        **({"num_stages": _BWD_NUM_STAGES} if _BWD_NUM_STAGES else {}),
+        **({"num_stages": cfg.num_stages} if cfg.num_stages else {}),
     )
     if weight is not None:
         dweight.copy_(dw_partial.sum(0))
