@@ -32,6 +32,7 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
     _add_dropout_norm_bwd_kernel,
     _add_dropout_norm_fwd_kernel,
 )
+from flash_backend.ops._eager import direct_call_ok, plain_launch
 
 MAX_N = 65536
 _MIN_BLOCK_N = 16
@@ -433,10 +434,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dresidual_out, dmean, drstd):
+    return _backward_with(ctx, dout, dresidual_out, torch.ops.flash.add_dropout_norm_bwd)
+
+
+def _backward_with(ctx, dout, dresidual_out, add_dropout_norm_bwd_fn):
     h, weight, bias, mean, rstd, seed = ctx.saved_tensors
     if not ctx.h_is_returned:
         dresidual_out = None
-    dx, dresidual, dweight, dbias = torch.ops.flash.add_dropout_norm_bwd(
+    dx, dresidual, dweight, dbias = add_dropout_norm_bwd_fn(
         dout, dresidual_out, h, weight, bias, mean, rstd, seed, ctx.dropout_p, ctx.is_rms_norm,
         ctx.has_residual, ctx.x_dtype, ctx.residual_dtype,
     )
@@ -450,6 +455,21 @@ def _backward(ctx, dout, dresidual_out, dmean, drstd):
 
 
 add_dropout_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _DirectAddDropoutNorm(torch.autograd.Function):
+    """flash::add_dropout_norm_fwd and its registered autograd, minus the dispatcher (ops/_eager.py)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = add_dropout_norm_fwd_launch(*inputs, launch=plain_launch)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dresidual_out, dmean, drstd):
+        return _backward_with(ctx, dout, dresidual_out,
+                              functools.partial(add_dropout_norm_bwd_launch, launch=plain_launch))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -495,10 +515,12 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, eps=1e-5, drop
     seed = None
     if dropout_p > 0.0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
-    out, residual_out, _, _ = torch.ops.flash.add_dropout_norm_fwd(
-        x, residual, weight, bias, seed, float(eps), dropout_p, bool(is_rms_norm), bool(residual_in_fp32),
-        bool(return_residual),
-    )
+    inputs = (x, residual, weight, bias, seed, float(eps), dropout_p, bool(is_rms_norm),
+              bool(residual_in_fp32), bool(return_residual))
+    if direct_call_ok(x, residual, weight, bias):
+        out, residual_out, _, _ = _DirectAddDropoutNorm.apply(*inputs)
+    else:
+        out, residual_out, _, _ = torch.ops.flash.add_dropout_norm_fwd(*inputs)
     return (out, residual_out) if return_residual else out
 
 
