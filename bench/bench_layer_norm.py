@@ -19,27 +19,39 @@ is what an eager user sees), and `graph ms` with the step captured in a CUDA gra
 time alone, what CUDA graphs / reduce-overhead users see). Ratios "x Inductor" are Inductor's time / ours.
 
 Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,flash_compiled,eager,inductor]
+       python bench/bench_layer_norm.py --sweep-bwd [--ns 4096] [--sweep-seconds 220]
+
+--sweep-bwd times the backward launcher alone (CUDA-graph replay, 10 B/elem) under candidate launch shapes
+(ops/add_dropout_norm.py: BwdConfig, the shipped one first) for N in SWEEP_NS, LayerNorm and RMSNorm; one
+`SWEEP bwd` line per candidate (with its grads' largest difference from the shipped shape's, relative to
+the largest grad), then `BEST bwd` per (N, norm) and a suggested _BWD_CONFIGS table. The time budget is
+shared evenly by the (N, norm) cases still to run; a case out of time skips its remaining candidates.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flash_backend.ops.add_dropout_norm as adn  # noqa: E402
 from bench._common import Results, bench_ms, env_info, markdown_table  # noqa: E402
 from flash_backend.backend import flash_backend  # noqa: E402
-from flash_backend.ops.add_dropout_norm import add_dropout_norm  # noqa: E402
+from flash_backend.ops.add_dropout_norm import BwdConfig, add_dropout_norm  # noqa: E402
 
 M = 16384
 NS = [4096, 1024, 768, 2048, 8192, 16384]
+SWEEP_NS = [768, 1024, 2048, 4096, 8192, 16384]
 P = 0.1
 EPS = 1e-5
 DTYPE = torch.bfloat16
@@ -93,12 +105,175 @@ def copy_tbps() -> float:
     return 2 * a.numel() / ms / 1e9
 
 
+# ----------------------------------------------------------------------------------------------------------
+# --sweep-bwd
+# ----------------------------------------------------------------------------------------------------------
+
+
+def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
+    """The shipped shape first, then the rest in the order they are most likely to win (a case that runs out
+    of time drops the tail). BwdConfig(elems_per_thread, warps_per_sm, rows_per_iter, max_fused). Tiles of
+    2+ rows keep elems_per_thread * 2 bytes >= 16: narrower rows per thread than a 16-byte load make Triton
+    convert the tile between layouts through shared memory."""
+    cands = [
+        adn.bwd_config(n, is_rms_norm),
+        BwdConfig(8, 16, 2),  # 2-row tile; ~120 registers at 16 warps: one program per SM at N=4096
+        BwdConfig(16, 32, 1),  # RMSNorm's best in the earlier sweep (-12% at 4096, -20% at 8192)
+        BwdConfig(16, 16, 1),  # LayerNorm's best in the earlier sweep (-5% at 4096)
+        BwdConfig(8, 32, 2),
+        BwdConfig(16, 16, 2),
+        BwdConfig(8, 32, 1),
+        BwdConfig(4, 32, 1),
+        BwdConfig(8, 16, 4),
+    ]
+    if n > 8192:  # whole rows in registers past the shipped 8192 (RMSNorm -32% at 16384 earlier)
+        cands[1:1] = [BwdConfig(16, 32, 1, 16384), BwdConfig(32, 16, 1, 16384), BwdConfig(16, 32, 2, 16384)]
+    return cands
+
+
+def _effective_launch(n: int, cfg: BwdConfig) -> tuple:
+    """What the launcher actually runs for cfg at (M, n): candidates that differ only in ignored fields (rows
+    per iteration of chunked rows, warps per SM past the cap) time the same kernel and are skipped."""
+    block_n, num_chunks = adn._block_and_chunks(n, cfg.max_fused)
+    num_warps = adn._num_warps(block_n, cfg.elems_per_thread, 32)
+    programs = adn._num_programs(torch.device("cuda"), M, num_warps, cfg.warps_per_sm)
+    rows_per_iter = cfg.rows_per_iter if num_chunks == 1 else 1
+    return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages
+
+
+class _Capture:
+    """`launch=` wrapper keeping the compiled kernel of the last launch (for its registers and spills)."""
+
+    compiled = None
+
+    def __call__(self, kernel):
+        capture = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    capture.compiled = kernel[grid](*args, **kwargs)
+                    return capture.compiled
+
+                return run
+
+        return _Grid()
+
+
+def _rel_err(got, ref) -> float:
+    err = 0.0
+    for g, r in zip(got, ref, strict=True):
+        if r.numel():
+            scale = r.float().abs().max().clamp_min(1e-30)
+            err = max(err, ((g.float() - r.float()).abs().max() / scale).item())
+    return err
+
+
+def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[BwdConfig, float]]:
+    """Time each candidate of (n, rms) until case_end; returns (cfg, us) of those whose grads match."""
+    norm = "rmsnorm" if rms else "layernorm"
+    (x, residual, weight, bias), _ = make_case(n, rms, requires_grad=False)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cuda")
+    fwd_args = (x, residual, weight, bias, seed, EPS, P, rms, False, True)
+    _, h, mean, rstd = adn.add_dropout_norm_fwd_launch(*fwd_args)
+    dy, dres = torch.randn_like(x), torch.randn_like(h)
+    del x, residual, fwd_args
+    bwd_args = (dy, dres, h, weight, bias, mean, rstd, seed, P, rms, True, DTYPE, DTYPE)
+    nbytes = 5 * DTYPE.itemsize * M * n  # read dy, dh, h; write dx, dresidual
+    rows, seen, ref = [], set(), None
+    for cfg in bwd_candidates(n, rms):
+        key = _effective_launch(n, cfg)
+        if key in seen:
+            continue
+        seen.add(key)
+        if ref is not None and time.time() > case_end:
+            print(f"SWEEP bwd N={n} norm={norm}: out of time, remaining candidates skipped", flush=True)
+            break
+        step = functools.partial(adn.add_dropout_norm_bwd_launch, *bwd_args, config=cfg)
+        try:
+            capture = _Capture()
+            got = step(launch=capture)  # compiles
+            err = 0.0 if ref is None else _rel_err(got, ref)
+            ref = got if ref is None else ref
+            gms = graph_ms(step)
+        except Exception as e:  # report, keep sweeping
+            print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} FAIL {type(e).__name__}: {str(e)[:200]}",
+                  flush=True)
+            continue
+        if gms is None:
+            continue
+        k = capture.compiled
+        _, chunks, warps, programs, rows_per_iter, _ = key
+        bad = "  MISMATCH" if err > 2e-2 else ""
+        print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} us={gms * 1e3:.1f} "
+              f"TB/s={nbytes / gms / 1e9:.2f} of_copy={nbytes / gms / 1e9 / copy:.2f} warps={warps} "
+              f"programs={programs} chunks={chunks} rows_per_iter={rows_per_iter} "
+              f"regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} err={err:.1e}{bad}",
+              flush=True)
+        if not bad:
+            rows.append((cfg, gms * 1e3))
+    return rows
+
+
+def run_sweep_bwd(args, ns):
+    copy = copy_tbps()
+    print(f"env {env_info()}  copy {copy:.2f} TB/s", flush=True)
+    cases = [(n, rms) for n in ns for rms in (False, True)]
+    t_end = time.time() + args.sweep_seconds
+    results = {}  # (n, rms) -> [(cfg, us)], the shipped shape first
+    for i, (n, rms) in enumerate(cases):
+        case_end = time.time() + max(0.0, t_end - time.time()) / (len(cases) - i)
+        results[(n, rms)] = _sweep_case(n, rms, case_end, copy)
+        torch.cuda.empty_cache()
+    _print_sweep_summary(results, nbytes_per_n={n: 5 * DTYPE.itemsize * M * n for n in ns})
+
+
+def _cfg_str(cfg: BwdConfig) -> str:
+    fields = list(cfg) if cfg.num_stages is not None else list(cfg)[:-1]
+    return f"BwdConfig({', '.join(map(str, fields))})"
+
+
+def _print_sweep_summary(results, nbytes_per_n):
+    for (n, rms), rows in results.items():
+        if not rows:
+            continue
+        cfg, us = min(rows, key=lambda r: r[1])
+        shipped_us = rows[0][1]
+        print(f"BEST bwd N={n} norm={'rmsnorm' if rms else 'layernorm'} cfg={_cfg_str(cfg)} us={us:.1f} "
+              f"TB/s={nbytes_per_n[n] / us / 1e6:.2f} (shipped {shipped_us:.1f} us: {shipped_us / us:.2f}x)")
+    # One shape per (bucket, norm): the N of a bucket (768 and 1024 share one) are weighted equally, by time
+    # relative to each N's best; only shapes timed at every N of the bucket compete.
+    print("suggested _BWD_CONFIGS entries (buckets not swept keep theirs):")
+    table_buckets = sorted({bucket for bucket, _ in adn._BWD_CONFIGS})
+    buckets = {}
+    for (n, rms), rows in results.items():
+        if rows:
+            bucket = min(b for b in table_buckets if b >= triton.next_power_of_2(n))
+            buckets.setdefault((bucket, rms), []).append(rows)
+    for (bucket, rms), per_n in sorted(buckets.items()):
+        common = set.intersection(*({cfg for cfg, _ in rows} for rows in per_n))
+        if not common:
+            continue
+
+        def cost(cfg, per_n=per_n):
+            return math.fsum(dict(rows)[cfg] / min(us for _, us in rows) for rows in per_n)
+
+        best = min(common, key=cost)
+        print(f"    ({bucket}, {rms}): {_cfg_str(best)},  # {cost(best) / len(per_n):.3f}x of the best per N")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ns", default=",".join(map(str, NS)))
+    ap.add_argument("--ns", default=None, help=f"default {NS}; with --sweep-bwd {SWEEP_NS}")
     ap.add_argument("--impls", default="flash,flash_compiled,eager,inductor")
+    ap.add_argument("--sweep-bwd", action="store_true", help="time backward launch shapes (see docstring)")
+    ap.add_argument("--sweep-seconds", type=float, default=220.0, help="time budget of --sweep-bwd")
     args = ap.parse_args()
-    ns = [int(v) for v in args.ns.split(",")]
+    if args.sweep_bwd:
+        torch.manual_seed(0)
+        run_sweep_bwd(args, [int(v) for v in args.ns.split(",")] if args.ns else SWEEP_NS)
+        return
+    ns = [int(v) for v in args.ns.split(",")] if args.ns else NS
     impls = args.impls.split(",")
     torch.manual_seed(0)
     res = Results("layer_norm")
