@@ -15,6 +15,13 @@ k's last two dims, a constant positive scale, masks whose broadcast fits the sco
 precision, no other user of any intermediate, constant dropout settings. Anything else is a near miss,
 reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are evaluated
 at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears.
+
+The walk also sees through views / reshapes of the scores and probabilities that split or merge their
+leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
+and back (BART / fairseq / CLIP before the attention interface, GPT-NeoX's ``baddbmm(...).view``),
+4-d scores merged to (B·H, S, S) for the softmax, Swin's 5-d per-window mask view. The op then runs in
+the first 4-d layout seen, with q, k, v and masks reshaped into it. A reshape that touches the last two
+dims is a near miss.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ _MATMULS = ("matmul", "bmm", "einsum")
 _SCORE_MATMULS = _MATMULS + ("baddbmm",)
 _CASTS = ("to", "type", "float", "half", "bfloat16", "double", "type_as")
 _IDENTITY = ("contiguous", "clone")
+# Row-major reshapes. The walk sees through one only when it splits or merges the leading (batch, head)
+# dims of the scores or probabilities and keeps the last two (query, key): the function is then the same
+# on the flat (batch·head) index, and q, k, v and the masks are brought to one layout for the op.
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze")
 # Filled values at or below this count as "masked out": exp(fill - max) underflows to exactly 0.
 _MASKED_VALUE = -1e4
 # Additive mask values at or below this are masked out whatever the scores are (|s| << 1e30).
@@ -177,6 +188,57 @@ def _holds(cond) -> bool:
         return False
 
 
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _same_dims(a, b) -> bool:
+    return len(a) == len(b) and all(_holds(x == y) for x, y in zip(a, b, strict=True))
+
+
+def _check_leading_reshape(node: Node, what: str):
+    """Raise unless node only splits or merges the leading dims of the (..., Sq, Sk) tensor it reshapes."""
+    src, dst = _shape(node.args[0]), _shape(node)
+    if src is None or dst is None:
+        raise _Skip(f"'{node.name}' has no shape information")
+    if (
+        len(src) < 3
+        or len(dst) < 3
+        or not _same_dims(src[-2:], dst[-2:])
+        or not _holds(_prod(src[:-2]) == _prod(dst[:-2]))
+    ):
+        raise _Skip(
+            f"'{node.name}' reshapes the {what} {list(src)} -> {list(dst)}: only splits or merges of the "
+            "leading (batch, head) dims are seen through, never of the last two (query, key) dims"
+        )
+
+
+def _view_lead_args(node: Node, n: int) -> list | None:
+    """The first n size arguments of a view / reshape / unflatten(0, ...) node, as graph values (ints or
+    SymInt nodes; one may be -1), to split a (batch·head) dim the same way under dynamic shapes."""
+    name = op_name(node)
+    sizes = None
+    if name in ("view", "reshape"):
+        sizes = list(node.args[1:]) or node.kwargs.get("size", node.kwargs.get("shape"))
+        if sizes and len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = list(sizes[0])
+        if sizes is not None and len(sizes) != len(_shape(node) or ()):
+            return None
+    elif name == "unflatten" and norm_dim(arg(node, 1, "dim"), len(_shape(node.args[0]) or ())) == 0:
+        sizes = arg(node, 2, "sizes")
+    if not isinstance(sizes, (list, tuple)) or len(sizes) < n:
+        return None
+    lead = list(sizes[:n])
+    for s in lead:
+        scalar = isinstance(s, Node) and isinstance(val(s), (int, torch.SymInt))
+        if not (scalar or isinstance(s, int) and not isinstance(s, bool)):
+            return None
+    return lead
+
+
 def _check_op_limits(q_shape, k_shape, v_shape, dtype):
     """What flash_attention raises on, checked at compile time so the model keeps its eager attention."""
     from flash_backend.ops.attention import MAX_HEAD_DIM
@@ -207,6 +269,9 @@ class _Masks:
     def __init__(self):
         self.keeps: list[tuple[Node, bool]] = []  # (bool tensor, negate): True = visible after negation
         self.additive: list[Node] = []
+        # The shape of the scores where each mask applies, when a view of their leading dims differs
+        # from q·kᵀ's (a mask added to the (B, H, Sq, Sk) view of bmm's (B·H, Sq, Sk) scores).
+        self.stages: dict[Node, tuple] = {}
 
     def empty(self) -> bool:
         return not self.keeps and not self.additive
@@ -218,10 +283,11 @@ class _Masks:
         for node in self.nodes():
             if not isinstance(node, Node) or tensor_meta(node) is None:
                 raise _Skip("mask is not a tensor")
-            if not _fits(_shape(node), scores_shape):
+            stage = self.stages.get(node, scores_shape)
+            if not _fits(_shape(node), stage):
                 raise _Skip(
                     f"mask of shape {list(_shape(node))} does not broadcast to the scores "
-                    f"{list(scores_shape)} without enlarging them"
+                    f"{list(stage)} without enlarging them"
                 )
         for node, _ in self.keeps:
             if _dtype(node) != torch.bool:
@@ -371,6 +437,8 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     name = op_name(node)
     if name in _SCORE_MATMULS:
         return True
+    if name in _RESHAPES:
+        return _reaches_matmul(node.args[0], depth - 1, seen)
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
         return any(_reaches_matmul(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
     return False
@@ -469,6 +537,10 @@ class _Candidate:
         self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
         self.batch_dims = 2
         self.variant = "matmul"
+        # Leading-dim reshapes seen through, each list ordered outwards from q·kᵀ: on the scores (before
+        # the softmax) and on the probabilities (before ·v).
+        self.score_views: list[Node] = []
+        self.prob_views: list[Node] = []
         # Finite fill values (e.g. finfo.min) the op treats as -inf. They give the same result except on
         # rows where every key is masked: eager averages those uniformly, the op returns 0. Reported.
         self.finite_fills: list[float] = []
@@ -523,6 +595,11 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             steps.append(("cast", x))
             consumer, x = x, x.args[0]
             continue
+        if name in _RESHAPES and isinstance(x.args[0], Node):
+            _check_leading_reshape(x, "scores")
+            cand.score_views.insert(0, x)
+            consumer, x = x, x.args[0]
+            continue
         if name in ("mul", "div"):
             scaled = _scale_operand(x)
             if scaled is None:
@@ -549,6 +626,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             else:
                 steps.append(("add", mask))
                 cand.masks.additive.append(mask)
+                cand.masks.stages[mask] = _shape(scores)  # the scores' shape, not the (maybe broadcast) sum
             consumer, x = x, scores
             continue
         if name in ("masked_fill", "masked_fill_"):
@@ -560,6 +638,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 cand.finite_fills.append(value)
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, True))
+            cand.masks.stages[cond] = _shape(x.args[0])
             consumer, x = x, x.args[0]
             continue
         if name == "where" and len(x.args) == 3:
@@ -575,6 +654,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 cand.finite_fills.append(value)
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, not ra))
+            cand.masks.stages[cond] = _shape(scores)
             consumer, x = x, scores
             continue
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
@@ -682,7 +762,8 @@ def _feeds_matmul(node: Node, depth: int = 8) -> bool:
         if name in _MATMULS:
             return True
         if depth and (
-            name in _CASTS + _IDENTITY + ("dropout", "dropout_") or user.target is torch.nn.functional.dropout
+            name in _CASTS + _IDENTITY + _RESHAPES + ("dropout", "dropout_")
+            or user.target is torch.nn.functional.dropout
         ):
             if _feeds_matmul(user, depth - 1):
                 return True
@@ -724,6 +805,12 @@ def _probs_side(cand: _Candidate, softmax: Node) -> Node:
             cand.chain.append(user)
             x = user
             continue
+        if name in _RESHAPES and user.args[0] is x:
+            _check_leading_reshape(user, "probabilities")
+            cand.prob_views.append(user)
+            cand.chain.append(user)
+            x = user
+            continue
         if name in ("dropout", "dropout_") or (
             user.op == "call_function" and user.target in (torch.nn.functional.dropout, torch.dropout)
         ):
@@ -746,7 +833,7 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
         if not isinstance(eq, str) or len(operands) != 2 or operands[0] is not probs:
             raise _Skip("the probabilities are not the first operand of the ·v einsum")
         (p_l, v_l), out = _parse_einsum(eq, 2)
-        if len(p_l) != cand.batch_dims + 2:
+        if len(p_l) != len(_shape(probs) or ()):
             raise _Skip(f"einsum '{eq}' does not take the scores' layout")
         batch, i, j = list(p_l[:-2]), p_l[-2], p_l[-1]
         e = [c for c in v_l if c not in p_l]
@@ -761,8 +848,8 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
     if pv.args[0] is not probs or not isinstance(pv.args[1], Node):
         raise _Skip("the probabilities are not the left operand of the ·v matmul")
     cand.v = pv.args[1]
-    if len(_shape(cand.v) or ()) != cand.batch_dims + 2:
-        raise _Skip("v does not have the scores' batch dims")
+    if len(_shape(cand.v) or ()) != len(_shape(probs) or ()):
+        raise _Skip("v does not have the probabilities' batch dims")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -826,6 +913,138 @@ def _mask_kwargs(mask, causal: bool) -> dict:
     return {"attn_mask": mask, "is_causal": causal}
 
 
+class _Layout:
+    """One (batch, head) layout for the op when the scores were reshaped between q·kᵀ and ·v.
+
+    q·kᵀ may be (B·H, Sq, Sk) from bmm and viewed to (B, H, Sq, Sk) for the mask, or the other way
+    round; the probabilities may be viewed again before ·v. Every such view was checked to split or merge
+    the leading dims only, so all of them index the same (batch·head) rows in row-major order. The op
+    runs in the first 4-d layout seen (q·kᵀ's own, else the first 4-d view: (B, H) is what the kernel's
+    row masks and GQA expect), q, k, v and the masks are reshaped into it, and the output back.
+    All checks happen here, at construction; the graph is edited only by inputs() and output().
+    """
+
+    def __init__(self, cand: _Candidate, scores_shape, probs_shape, k_shape, v_shape):
+        self.cand = cand
+        self.qk_lead, self.pv_lead = tuple(scores_shape[:-2]), tuple(probs_shape[:-2])
+        self.canon, self.canon_view = self.qk_lead, None
+        if len(self.canon) == 1:
+            for view in cand.score_views + cand.prob_views:
+                if len(_shape(view)) == 4:
+                    self.canon, self.canon_view = tuple(_shape(view)[:2]), view
+                    break
+        if len(self.pv_lead) not in (1, 2):
+            raise _Skip(f"the probabilities reach ·v as {list(probs_shape)}: {len(self.pv_lead)} batch dims")
+        # q·kᵀ's own layout keeps whatever broadcasting matmul did (GQA's un-repeated k is checked later);
+        # a tensor that is reshaped must hold every (batch·head) row itself.
+        self.convert_qk = not _same_dims(self.qk_lead, self.canon)
+        self.convert_pv = not _same_dims(self.pv_lead, self.canon)
+        if self.convert_qk and not _same_dims(k_shape[:-2], self.qk_lead):
+            raise _Skip(f"k {list(k_shape)} broadcasts over the scores' batch dims {list(self.qk_lead)}")
+        if self.convert_pv and not _same_dims(v_shape[:-2], self.pv_lead):
+            raise _Skip(
+                f"v {list(v_shape)} broadcasts over the probabilities' batch dims {list(self.pv_lead)}"
+            )
+        self.mask_plans = {node: self._mask_plan(node, scores_shape) for node in cand.masks.nodes()}
+        splits = self.convert_qk or self.convert_pv or any(
+            isinstance(p, tuple) and p[0] == "rows" for p in self.mask_plans.values()
+        )
+        self.lead_args = None  # how to split into the canonical (B, H): ints, a view's size args, or q's
+        if len(self.canon) == 2 and splits:
+            if all(isinstance(d, int) for d in self.canon):
+                self.lead_args = list(self.canon)
+            elif self.canon_view is not None:
+                self.lead_args = _view_lead_args(self.canon_view, 2)
+            else:
+                self.lead_args = "q"  # q·kᵀ is 4-d: q carries the layout's sizes
+            if self.lead_args is None:
+                raise _Skip(
+                    f"cannot tell the (batch, heads) sizes of '{self.canon_view.name}' under dynamic shapes"
+                )
+        if self.convert_pv and len(self.pv_lead) == 2 and not all(isinstance(d, int) for d in self.pv_lead):
+            raise _Skip(
+                f"the output's (batch, heads) layout {list(self.pv_lead)} is symbolic and not the op's"
+            )
+
+    def _mask_plan(self, node: Node, scores_shape):
+        """How a mask reaches the op's layout: None (it broadcasts as it is), "flatten" (a >4-d mask
+        with no batch or head extent), ("rows", lead) (one row per (batch·head): reshaped like q and k,
+        Bloom's (B·H, 1, Sk) alibi), or ("expand", stage lead, last two) (broadcast over some leading dims
+        of a reshaped stage: expanded first, static shapes only)."""
+        stage = self.cand.masks.stages.get(node, scores_shape)
+        shape = _shape(node)
+        padded = (1,) * (len(stage) - len(shape)) + tuple(shape)
+        if all(_holds(d == 1) for d in padded[:-2]):
+            return "flatten" if len(shape) > 4 else None  # independent of batch and head
+        if _same_dims(stage[:-2], self.canon):
+            return None
+        if len(shape) == len(stage) and _same_dims(shape[:-2], stage[:-2]):
+            return "rows", tuple(stage[:-2])
+        if not all(isinstance(d, int) for d in tuple(stage) + tuple(shape) + self.canon):
+            raise _Skip(
+                f"mask {list(shape)} applies to the scores viewed as {list(stage)}; bringing it to the "
+                f"{list(self.canon)} (batch, head) layout needs static shapes"
+            )
+        return "expand", tuple(stage[:-2]), tuple(padded[-2:])
+
+    def op_shapes(self, q_shape, k_shape, v_shape):
+        """q, k, v shapes as the op sees them: (B, H, S, D)."""
+        canon4 = self.canon if len(self.canon) == 2 else (1,) + self.canon
+        q_shape, k_shape, v_shape = (tuple(s) for s in (q_shape, k_shape, v_shape))
+        if self.convert_qk or len(self.canon) == 1:
+            q_shape, k_shape = canon4 + q_shape[-2:], canon4 + k_shape[-2:]
+        if self.convert_pv or len(self.canon) == 1:
+            v_shape = canon4 + v_shape[-2:]
+        return q_shape, k_shape, v_shape
+
+    def _to_canon(self, graph, node, lead, q_in, like):
+        if len(lead) > 1:
+            node = insert_call(graph, torch.flatten, (node, 0, len(lead) - 1), like=like)
+        if len(self.canon) > 1:
+            if self.lead_args == "q":
+                self.lead_args = [insert_call(graph, torch.ops.aten.sym_size.int, (q_in, d), like=like)
+                                  for d in (0, 1)]
+            node = insert_call(graph, torch.unflatten, (node, 0, tuple(self.lead_args)), like=like)
+        return node
+
+    def inputs(self, graph, q_in, k_in, v_in, like):
+        """q, k, v (and the masks, in place) in the op's layout."""
+        if self.convert_qk:
+            q_in, k_in = (self._to_canon(graph, t, self.qk_lead, None, like) for t in (q_in, k_in))
+        if self.convert_pv:
+            v_in = self._to_canon(graph, v_in, self.pv_lead, q_in, like)
+        if len(self.canon) == 1:
+            q_in, k_in, v_in = (
+                insert_call(graph, torch.unsqueeze, (t, 0), like=like) for t in (q_in, k_in, v_in)
+            )
+        masks = self.cand.masks
+        remapped = {}
+        for node, plan in self.mask_plans.items():
+            if plan == "flatten":
+                end_dim = len(_shape(node)) - 3
+                remapped[node] = insert_call(graph, torch.flatten, (node, 0, end_dim), like=like)
+            elif plan is not None and plan[0] == "rows":
+                remapped[node] = self._to_canon(graph, node, plan[1], q_in, like)
+            elif plan is not None:
+                _, stage_lead, last2 = plan
+                full = insert_call(graph, torch.Tensor.expand, (node, stage_lead + last2), like=like)
+                remapped[node] = insert_call(graph, torch.reshape, (full, self.canon + last2), like=like)
+        masks.keeps = [(remapped.get(n, n), negate) for n, negate in masks.keeps]
+        masks.additive = [remapped.get(n, n) for n in masks.additive]
+        self.cand.chain.extend(remapped.values())  # erased with the rest when the op does not use them
+        return q_in, k_in, v_in
+
+    def output(self, graph, out, like):
+        """The op's (B, H, Sq, Dv) output in the layout ·v produced."""
+        if len(self.canon) == 1:
+            return insert_call(graph, torch.squeeze, (out, 0), like=like)
+        if self.convert_pv:
+            out = insert_call(graph, torch.flatten, (out, 0, 1), like=like)
+            if len(self.pv_lead) == 2:
+                out = insert_call(graph, torch.unflatten, (out, 0, self.pv_lead), like=like)
+        return out
+
+
 def _rewrite_softmax(graph: Graph, softmax: Node):
     x = softmax.args[0]
     if not isinstance(x, Node) or tensor_meta(x) is None:
@@ -842,6 +1061,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(f"softmax over dim {dim} of the {ndim}-d scores, not the last (key) dim")
     mm = _scores_side(cand, softmax, x)
     _qk(cand, mm)
+    cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
     pv = _probs_side(cand, softmax)
     probs = _einsum_operands(pv)[1][0] if op_name(pv) == "einsum" else pv.args[0]
     _pv(cand, pv, probs)
@@ -860,10 +1080,13 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         laid_out(cand.v, cand.v_perm),
     )
     scores_shape = _shape(mm)
-    cand.masks.check(scores_shape)
-    if _shape(x) != scores_shape:
+    sm_shape = _shape(x)
+    if not (
+        _same_dims(sm_shape[-2:], scores_shape[-2:])
+        and _holds(_prod(sm_shape[:-2]) == _prod(scores_shape[:-2]))
+    ):
         raise _Skip(
-            f"the softmax input {list(_shape(x))} is not the shape of the q·kᵀ scores {list(scores_shape)}"
+            f"the softmax input {list(sm_shape)} is not the shape of the q·kᵀ scores {list(scores_shape)}"
         )
     src = _dtype(cand.q)
     if not (src == _dtype(cand.k) == _dtype(cand.v) == _dtype(pv)):
@@ -879,29 +1102,31 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(
             f"scores {list(scores_shape)} are not (batch..., Sq, Sk) of q {list(q_shape)}, k {list(k_shape)}"
         )
+    layout = _Layout(cand, scores_shape, _shape(probs), k_shape, v_shape)
 
     # GQA: pass k/v un-repeated when both were repeated alike.
     k_node, v_node = cand.k, cand.v
     enable_gqa = False
-    if cand.batch_dims == 2 and cand.k_perm in (None, [0, 1, 2, 3]) and cand.v_perm in (None, [0, 1, 2, 3]):
+    if (
+        cand.batch_dims == 2
+        and not layout.convert_qk
+        and not layout.convert_pv
+        and cand.k_perm in (None, [0, 1, 2, 3])
+        and cand.v_perm in (None, [0, 1, 2, 3])
+    ):
         k_base, nk = _unrepeat(cand.k)
         v_base, nv = _unrepeat(cand.v)
         if nk == nv and nk > 1:
             k_node, v_node, enable_gqa = k_base, v_base, True
             k_shape, v_shape = _shape(k_base), _shape(v_base)
-    if cand.batch_dims == 1:
-        q_shape, k_shape, v_shape = ((1,) + tuple(s) for s in (q_shape, k_shape, v_shape))
-    _check_op_limits(q_shape, k_shape, v_shape, src)
+    _check_op_limits(*layout.op_shapes(q_shape, k_shape, v_shape), src)
 
     from flash_backend.ops.attention import flash_attention
 
     q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
     k_in = _permuted(graph, k_node, cand.k_perm, softmax)
     v_in = _permuted(graph, v_node, cand.v_perm, softmax)
-    if cand.batch_dims == 1:
-        q_in, k_in, v_in = (
-            insert_call(graph, torch.unsqueeze, (t, 0), like=softmax) for t in (q_in, k_in, v_in)
-        )
+    q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
     mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
     out = insert_call(
         graph,
@@ -915,8 +1140,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         },
         like=softmax,
     )
-    if cand.batch_dims == 1:
-        out = insert_call(graph, torch.squeeze, (out, 0), like=softmax)
+    out = layout.output(graph, out, softmax)
     if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
         out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
     pv.replace_all_uses_with(out)

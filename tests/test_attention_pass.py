@@ -891,3 +891,122 @@ def test_baddbmm_with_a_scaled_input_is_left_alone():
     report = flash_backend.explain(_BaddbmmScores(beta=0.5), q, k, v, torch.randn(8, 16, 16),
                                    print_report=False)
     assert not report.rewrites and "beta=0.5" in report.near_misses[0].detail
+
+
+# --------------------------------------------------------------------------------------------------------
+# Scores reshaped between q·kᵀ and the softmax (bmm layouts): views of the leading dims are seen through
+# --------------------------------------------------------------------------------------------------------
+
+
+def _bmm_scores_viewed_4d(q, k, v):
+    """q·kᵀ by bmm on (B·H, S, D), viewed to (B, H, S, S) before the softmax, ·v in 4-d."""
+    B, H, S, D = q.shape
+    s = torch.bmm(q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2)).view(B, H, S, S)
+    return torch.softmax(s * D**-0.5, -1) @ v
+
+
+def _neox_legacy(q, k, v, am):
+    """Legacy GPT-NeoX: baddbmm into zeros, view to 4-d, causal where with finfo.min, padding mask."""
+    B, H, S, D = q.shape
+    s = torch.zeros(B * H, S, S, dtype=q.dtype)
+    s = torch.baddbmm(s, q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2), beta=1.0,
+                      alpha=1 / math.sqrt(D))
+    s = s.view(B, H, S, S)
+    causal = torch.tril(torch.ones(S, S, dtype=torch.bool)).view(1, 1, S, S)
+    s = torch.where(causal, s, torch.tensor(torch.finfo(s.dtype).min, dtype=s.dtype))
+    p = F.softmax(s + am, dim=-1).to(v.dtype)
+    return torch.matmul(p, v)
+
+
+def _bart_legacy(q, k, v, am):
+    """BART / Marian before the attention interface: 3-d bmm, a 4-d view only to add the mask."""
+    B, H, S, D = q.shape
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    w = torch.bmm(q3 * D**-0.5, k3.transpose(1, 2))
+    w = w.view(B, H, S, S) + am
+    w = w.view(B * H, S, S)
+    p = F.dropout(F.softmax(w, dim=-1), p=0.0, training=True)
+    return torch.bmm(p, v3).view(B, H, S, D)
+
+
+def _softmax_on_merged_heads(q, k, v):
+    """4-d scores merged to (B·H, S, S) for the softmax and split back for ·v."""
+    B, H, S, _ = q.shape
+    p = torch.softmax((q @ k.transpose(-2, -1) * 0.25).view(B * H, S, S), -1)
+    return p.view(B, H, S, S) @ v
+
+
+def _swin_window_mask(q, k, v, bias, mask):
+    """Swin: a relative position bias, then a per-window mask through a 5-d view of the scores."""
+    B, H, S, D = q.shape
+    n_windows = mask.shape[0]
+    a = (q * D**-0.5) @ k.transpose(-2, -1)
+    a = a + bias.unsqueeze(0)
+    a = a.view(B // n_windows, n_windows, H, S, S) + mask.unsqueeze(1).unsqueeze(0)
+    return a.view(-1, H, S, S).softmax(dim=-1) @ v
+
+
+def _padding_bias(B, S):
+    am = torch.zeros(B, 1, 1, S)
+    am[1:, ..., -3:] = torch.finfo(torch.float32).min  # no query row sees only masked keys
+    return am
+
+
+def _reshaped_cases():
+    B, H, S = 4, 4, 12
+    window_mask = torch.zeros(2, S, S).masked_fill(torch.rand(2, S, S) > 0.7, -100.0)
+    return [
+        (_bmm_scores_viewed_4d, (), None),
+        (_neox_legacy, (_padding_bias(B, S),), (B, 1, 1, S)),
+        (_bart_legacy, (_padding_bias(B, S),), (B, 1, 1, S)),
+        (_softmax_on_merged_heads, (), None),
+        (_swin_window_mask, (torch.randn(H, S, S), window_mask), (B, H, S, S)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[f.__name__.strip("_") for f, _, _ in _reshaped_cases()])
+def test_scores_reshaped_between_qk_and_softmax(case):
+    fn, extra, mask_shape = _reshaped_cases()[case]
+    q, k, v = _qkv(B=4, H=4)
+    (node,) = _check_same(fn, q, k, v, *extra)
+    mask = node.kwargs["attn_mask"]
+    assert (None if mask is None else tuple(mask.meta["example_value"].shape)) == mask_shape
+    # the op runs in the 4-d (B, H) layout: a padding mask reaches the kernel as one row per batch
+    assert node.args[0].meta["example_value"].shape == q.shape
+
+
+@pytest.mark.parametrize("fn", [_bart_legacy, _softmax_on_merged_heads])
+def test_reshaped_scores_dynamic_shapes(fn):
+    """Under dynamic shapes the (B·H) -> (B, H) split reuses the view's own size arguments."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend=rewrite_only_backend, dynamic=True)
+    for B, S in ((2, 8), (3, 16), (5, 24)):
+        q, k, v = _qkv(B=B, S=S)
+        extra = () if fn is _softmax_on_merged_heads else (_padding_bias(B, S),)
+        torch.testing.assert_close(compiled(q, k, v, *extra), fn(q, k, v, *extra), **TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _rewrites() == (1, 0)
+
+
+def _scores_view_merges_query_dim(q, k, v):
+    B, H, S, _ = q.shape
+    s = (q @ k.transpose(-2, -1)).view(B, H * S, S)  # merges heads with the query dim
+    return torch.softmax(s, -1).view(B, H, S, S) @ v
+
+
+def _scores_flattened_keys(q, k, v):
+    B, H, S, _ = q.shape
+    s = (q @ k.transpose(-2, -1)).reshape(B, H, S * S)  # softmax over every (query, key) pair
+    return torch.softmax(s, -1).view(B, H, S, S) @ v
+
+
+@pytest.mark.parametrize("fn", [_scores_view_merges_query_dim, _scores_flattened_keys])
+def test_reshape_of_the_last_two_dims_is_left_alone(fn):
+    q, k, v = _qkv(B=4, H=4)
+    report = flash_backend.explain(fn, q, k, v, print_report=False)
+    assert _rewrites() == (0, 1)
+    (decision,) = report.near_misses
+    assert "never of the last two (query, key) dims" in decision.detail, decision.line()
+    torch.testing.assert_close(torch.compile(fn, backend=rewrite_only_backend)(q, k, v), fn(q, k, v))
+
