@@ -21,7 +21,8 @@ leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to 
 and back (BART / fairseq / CLIP before the attention interface, GPT-NeoX's ``baddbmm(...).view``),
 4-d scores merged to (B·H, S, S) for the softmax, Swin's 5-d per-window mask view. The op then runs in
 the first 4-d layout seen, with q, k, v and masks reshaped into it. A reshape that touches the last two
-dims is a near miss.
+dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``, ``scores += mask``,
+``q *= scaling``) are made functional first when that keeps their dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.fx
 from torch.fx import Graph, Node
 
 from flash_backend import config as flash_config
-from fx_passes._match import arg, insert_call, is_number, norm_dim, op_name, tensor_meta, val
+from fx_passes._match import arg, fake_call, insert_call, is_number, norm_dim, op_name, tensor_meta, val
 from fx_passes._report import record_near_miss, record_rewrite
 
 log = logging.getLogger("flash_backend")
@@ -1257,26 +1258,46 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     record_rewrite(FAMILY, "scaled_dot_product_attention", "flash_attention", out)
 
 
-_INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add"}
-_FRESH = _MATMULS + ("mul", "div", "add", "sub", "masked_fill", "where")
+_INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add", "sub_": "sub"}
+# `scores += mask`, `q *= scaling` (fairseq): dynamo records augmented assignment as operator.iadd & co.
+_INPLACE_OPERATORS = {
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+}
+_FRESH = _MATMULS + ("baddbmm", "linear", "mul", "div", "add", "sub", "masked_fill", "where")
 
 
 def _functionalize_inplace(graph: Graph) -> None:
-    """`scores.masked_fill_(m, -inf)` (result unused) -> `scores = scores.masked_fill(m, -inf)`.
+    """`scores.masked_fill_(m, -inf)` / `scores += mask` -> `scores = scores.masked_fill(m, -inf)` / `+ mask`.
 
     Only on tensors a non-view op just produced, so that no alias observes the mutation; every later
-    reader of the mutated tensor reads the functional result instead.
+    reader of the mutated tensor reads the functional result instead. An in-place op keeps its tensor's
+    dtype where the functional one may promote (bf16 scores += an fp32 mask): those are left alone.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
-        if node.op != "call_method" or node.target not in _INPLACE or not isinstance(node.args[0], Node):
+        if node.op == "call_method" and node.target in _INPLACE:
+            name = _INPLACE[node.target]
+        elif node.op == "call_function" and node.target in _INPLACE_OPERATORS and not node.kwargs:
+            name = _INPLACE_OPERATORS[node.target]
+        else:
+            continue
+        if not isinstance(node.args[0], Node) or tensor_meta(node.args[0]) is None:
             continue
         base = node.args[0]
         # A reader placed before the mutation could be a view that sees it: leave those graphs alone.
         if op_name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
             continue
+        try:
+            result = fake_call(getattr(torch.Tensor, name), node.args, node.kwargs)
+        except Exception:  # noqa: BLE001 - not computable on the fake values: leave it
+            continue
+        before = tensor_meta(base)
+        if not isinstance(result, torch.Tensor) or result.dtype != before.dtype or not _same_dims(
+            tuple(result.shape), tuple(before.shape)
+        ):
+            continue
         with graph.inserting_after(node):
-            functional = graph.call_method(_INPLACE[node.target], node.args, node.kwargs)
+            functional = graph.call_method(name, node.args, node.kwargs)
         functional.meta.update(node.meta)
         for user in list(base.users):
             if user is not node and user is not functional and order.get(user, -1) > order[node]:

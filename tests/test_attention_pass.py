@@ -936,6 +936,13 @@ def _softmax_on_merged_heads(q, k, v):
     return p.view(B, H, S, S) @ v
 
 
+def _scores_iadd_mask(q, k, v, am):
+    s = q @ k.transpose(-2, -1)
+    s *= 0.25  # operator.imul / iadd on the fresh scores
+    s += am
+    return torch.softmax(s, -1) @ v
+
+
 def _swin_window_mask(q, k, v, bias, mask):
     """Swin: a relative position bias, then a per-window mask through a 5-d view of the scores."""
     B, H, S, D = q.shape
@@ -960,11 +967,12 @@ def _reshaped_cases():
         (_neox_legacy, (_padding_bias(B, S),), (B, 1, 1, S)),
         (_bart_legacy, (_padding_bias(B, S),), (B, 1, 1, S)),
         (_softmax_on_merged_heads, (), None),
+        (_scores_iadd_mask, (_padding_bias(B, S),), (B, 1, 1, S)),
         (_swin_window_mask, (torch.randn(H, S, S), window_mask), (B, H, S, S)),
     ]
 
 
-@pytest.mark.parametrize("case", range(5), ids=[f.__name__.strip("_") for f, _, _ in _reshaped_cases()])
+@pytest.mark.parametrize("case", range(6), ids=[f.__name__.strip("_") for f, _, _ in _reshaped_cases()])
 def test_scores_reshaped_between_qk_and_softmax(case):
     fn, extra, mask_shape = _reshaped_cases()[case]
     q, k, v = _qkv(B=4, H=4)
@@ -1009,4 +1017,39 @@ def test_reshape_of_the_last_two_dims_is_left_alone(fn):
     (decision,) = report.near_misses
     assert "never of the last two (query, key) dims" in decision.detail, decision.line()
     torch.testing.assert_close(torch.compile(fn, backend=rewrite_only_backend)(q, k, v), fn(q, k, v))
+
+
+class FairseqStyleMHA(nn.Module):
+    """fairseq's MultiheadAttention: (S, B, E) layout, `q *= scaling` in place, a key padding mask
+    applied through a (B, H, S, S) view of the bmm scores, fp32 softmax cast back with type_as."""
+
+    def __init__(self, d=64, h=4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.scaling = self.dh**-0.5
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, key_padding_mask):
+        S, B, E = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q *= self.scaling
+        q = q.contiguous().view(S, B * self.h, self.dh).transpose(0, 1)
+        k = k.contiguous().view(-1, B * self.h, self.dh).transpose(0, 1)
+        v = v.contiguous().view(-1, B * self.h, self.dh).transpose(0, 1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        w = w.view(B, self.h, S, S)
+        w = w.masked_fill(key_padding_mask.unsqueeze(1).unsqueeze(2).to(torch.bool), float("-inf"))
+        w = w.view(B * self.h, S, S)
+        p = F.softmax(w.float(), dim=-1).type_as(w)
+        p = F.dropout(p, p=0.0, training=self.training)
+        out = torch.bmm(p, v).transpose(0, 1).contiguous().view(S, B, E)
+        return self.out_proj(out)
+
+
+@pytest.mark.parametrize("backend", ["rewrite_only", "flash"])
+def test_fairseq_style_mha_training(backend):
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(20, 3, 64), "key_padding_mask": _pad_mask(3, 20)}
+    _check_model(FairseqStyleMHA().train(), inputs, rewrites=1,
+                 backend=rewrite_only_backend if backend == "rewrite_only" else "flash")
 
