@@ -18,7 +18,7 @@ at compile time: a causal one becomes ``is_causal=True`` and an all-visible one 
 
 The walk also sees through views / reshapes of the scores and probabilities that split or merge their
 leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
-and back (BART / fairseq / CLIP before the attention interface, GPT-NeoX's ``baddbmm(...).view``),
+and back (BART / fairseq / CLIP before the attention interface, Bloom, GPT-NeoX's ``baddbmm(...).view``),
 4-d scores merged to (B·H, S, S) for the softmax, Swin's 5-d per-window mask view. The op then runs in
 the first 4-d layout seen, with q, k, v and masks reshaped into it. A reshape that touches the last two
 dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``, ``scores += mask``,
@@ -685,9 +685,12 @@ def _baddbmm_operands(cand: _Candidate, mm: Node):
     """beta·input + alpha·(q @ kᵀ): alpha is a scale on the product, input (beta 1) an additive mask."""
     bias, q, kt = (arg(mm, i, n) for i, n in ((0, "input"), (1, "batch1"), (2, "batch2")))
     alpha, beta = mm.kwargs.get("alpha", 1), mm.kwargs.get("beta", 1)
-    if not (is_number(alpha) and is_number(beta)):
+    # alpha = 1/sqrt(D) is a SymFloat under dynamic=True; it scales the product only (never the input),
+    # so it folds into the op's scale like any symbolic factor on the scores.
+    factor = _scalar_factor(alpha)
+    if factor is None or not is_number(beta):
         raise _Skip("baddbmm alpha or beta is not a number")
-    cand.fold(float(alpha))
+    cand.fold(("mul", factor) if isinstance(factor, Node) else factor)
     if beta not in (0, 1):
         raise _Skip(f"baddbmm beta={beta}: the input would be scaled, not an additive mask")
     if beta == 1 and not _is_zero_constant(bias):
@@ -698,6 +701,12 @@ def _baddbmm_operands(cand: _Candidate, mm: Node):
 def _is_zero_constant(node) -> bool:
     if is_number(node):
         return node == 0
+    # By construction, whatever its (possibly symbolic) size: GPT-NeoX's baddbmm(torch.zeros(B·H, S, S), ..)
+    name = op_name(node) if isinstance(node, Node) else None
+    if name in ("zeros", "zeros_like", "new_zeros") and not any(
+        str(op_name(u) or u.target).endswith("_") or u.target in _INPLACE_OPERATORS for u in node.users
+    ):
+        return True  # and nothing writes into it in place
     try:
         value = _const_eval(node)
     except Exception:  # noqa: BLE001 - a runtime tensor
@@ -736,9 +745,12 @@ def _qk(cand: _Candidate, mm: Node):
         cand.q, cand.k = _strip_scales(cand, q, mm), _strip_scales(cand, k, mm)
         return
     cand.variant = name
-    q, kt = mm.args[0], mm.args[1]
     if name == "baddbmm":
-        q, kt = _baddbmm_operands(cand, mm)
+        q, kt = _baddbmm_operands(cand, mm)  # Bloom: alibi.baddbmm(batch1=q, batch2=kᵀ, ...)
+    elif len(mm.args) == 2:
+        q, kt = mm.args
+    else:
+        raise _Skip(f"'{mm.name}' does not take q and kᵀ as its two positional operands")
     if not (isinstance(q, Node) and isinstance(kt, Node)):
         raise _Skip("q·kᵀ operands are not tensors")
     ndim = len(_shape(q) or ())

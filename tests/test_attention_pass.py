@@ -983,7 +983,7 @@ def test_scores_reshaped_between_qk_and_softmax(case):
     assert node.args[0].meta["example_value"].shape == q.shape
 
 
-@pytest.mark.parametrize("fn", [_bart_legacy, _softmax_on_merged_heads])
+@pytest.mark.parametrize("fn", [_bart_legacy, _neox_legacy, _softmax_on_merged_heads])
 def test_reshaped_scores_dynamic_shapes(fn):
     """Under dynamic shapes the (B·H) -> (B, H) split reuses the view's own size arguments."""
     torch._dynamo.reset()
@@ -1053,3 +1053,21 @@ def test_fairseq_style_mha_training(backend):
     _check_model(FairseqStyleMHA().train(), inputs, rewrites=1,
                  backend=rewrite_only_backend if backend == "rewrite_only" else "flash")
 
+
+@pytest.mark.parametrize("arch", ["bloom", "gpt_neox_japanese"])
+def test_transformers_bmm_layout_models(arch):
+    """transformers models that still reshape the scores: Bloom (alibi.baddbmm(batch1=, batch2=), a
+    (B·H, 1, S) alibi bias brought to (B, H, 1, S)) and GPT-NeoX-Japanese (baddbmm into zeros, 4-d view)."""
+    torch.manual_seed(0)
+    if arch == "bloom":
+        cfg = transformers.BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4,
+                                       attention_dropout=0.0, hidden_dropout=0.0)
+        model = transformers.BloomForCausalLM(cfg)
+    else:
+        cfg = transformers.GPTNeoXJapaneseConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, intermediate_multiple_size=2,
+                                                 attention_dropout=0.0, hidden_dropout=0.0)
+        model = transformers.GPTNeoXJapaneseForCausalLM(cfg)
+    ids = torch.randint(1, 97, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": (~_pad_mask(2, 16)).long()}
+    _check_model(model.train(), inputs, rewrites=2)
