@@ -11,9 +11,14 @@ import flash_backend  # noqa: F401
 from flash_backend.ops.attention import (
     attention_backward_reference,
     attention_reference,
+    attention_varlen_backward_reference,
+    attention_varlen_reference,
     dropout_keep_mask,
+    dropout_scale,
+    dropout_threshold,
     flash_attention,
     flash_attention_varlen,
+    philox_4x32,
 )
 
 
@@ -103,6 +108,12 @@ def test_gradcheck_fp64_bias_gqa_window():
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
 
 
+def test_philox_matches_random123_known_answer():
+    # Random123's kat_vectors, philox4x32 10 rounds, counter 0 and key 0: pins the word order too
+    words = philox_4x32(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
+    assert [int(w) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
 def test_dropout_statistics_and_reproducibility():
     q, k, v = _qkv(2, 4, 4, 64, 64, 16)
     torch.manual_seed(5)
@@ -112,6 +123,13 @@ def test_dropout_statistics_and_reproducibility():
     assert torch.equal(a, b)
     keep = dropout_keep_mask(torch.randint(0, 2**62, (1,)), 0.3, 4, 8, 128, 128, "cpu")
     assert abs(keep.float().mean().item() - 0.7) < 0.005
+    # each of the 8 halves one Philox call serves (key j % 8), and rows, are drawn alike
+    by_half = keep.view(4, 8, 128, 16, 8).float().mean((0, 1, 2, 3))
+    assert (by_half - 0.7).abs().max() < 0.01, by_half
+    assert abs(keep[..., 0::2].float().mean() - keep[..., 1::2].float().mean()) < 0.005
+    # neighbouring keys share a Philox call but not their bits: no correlation between halves
+    pair = keep.view(-1, 2).float()
+    assert abs((pair[:, 0] * pair[:, 1]).mean().item() - 0.49) < 0.005
     # unbiased: the mean over many seeds approaches the no-dropout output
     outs = torch.stack([flash_attention(q, k, v, dropout_p=0.3) for _ in range(200)]).mean(0)
     ref = flash_attention(q, k, v)
@@ -126,6 +144,30 @@ def test_dropout_gradients_match_autograd_of_reference():
     ours = attention_backward_reference(g, q, k, v, out, lse, None, seed, 0.25)[:3]
     for a, b in zip(ours, torch.autograd.grad(out, (q, k, v), g), strict=True):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.1 + 0.49 / 65536, 1e-6, 0.999999])
+def test_dropout_p_quantisation_keeps_output_unbiased(p):
+    t = dropout_threshold(p)
+    assert 0 <= t <= 65535 and (abs(t - p * 65536) <= 0.5 or t in (0, 65535))
+    # exactly (65536 - t) of the 65536 equally likely 16-bit halves are kept: scale * P(keep) == 1
+    kept = (torch.arange(65536) >= t).sum().item()
+    assert kept == 65536 - t
+    assert abs(dropout_scale(p) * kept / 65536 - 1.0) < 1e-15
+    # the reference applies that scale, not 1 / (1 - p): kept probabilities are scaled exactly by it
+    q, k, v = _qkv(1, 2, 2, 17, 23, 8, dtype=torch.float64)
+    seed = torch.tensor([987654321])
+    out, _ = attention_reference(q, k, v, None, seed, p)
+    keep = dropout_keep_mask(seed, p, 1, 2, 17, 23, "cpu")
+    probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1)
+    torch.testing.assert_close(out, (probs * keep * dropout_scale(p)) @ v, atol=1e-12, rtol=1e-12)
+
+
+def test_dropout_tiny_p_keeps_everything():
+    # p below 2**-17 quantises to 0: no element dropped, scale 1, the output is the no-dropout one
+    q, k, v = _qkv(1, 2, 2, 17, 23, 8, dtype=torch.float64)
+    out, _ = attention_reference(q, k, v, None, torch.tensor([3]), 1e-6)
+    torch.testing.assert_close(out, attention_reference(q, k, v)[0], atol=0, rtol=0)
 
 
 def test_transposed_layout_kept_without_copies():
@@ -288,6 +330,80 @@ def test_kernels_under_interpreter(interpreter, case):
             torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
 
 
+def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd_config=None):
+    """The keep-masks the three kernels apply (forward, dK/dV, dQ), read back through probe inputs, and the
+    reference's mask for the same seed; all (B, Hq, Sq, Sk) bool.
+
+    q = 0 makes every probability 1 / Sk, k = v = I puts key j on column j (D >= Sq, Sk), so
+    out[i, j] = keep_ij * scale / Sk. With dO_i = 2**g * e_i for the g-th q head of a kv group,
+    dV[j, i] = scale / Sk * sum_g 2**g keep^g_ij. With dO = 1, dQ[i, j] = sm_scale / Sk * (keep_ij * scale
+    - delta_i), delta_i = scale * (kept in row i) / Sk: > 0 exactly on kept elements.
+    """
+    from flash_backend.kernels.attention_bwd import attention_backward_launch
+    from flash_backend.kernels.attention_fwd import attention_forward_launch
+
+    G = Hq // Hkv
+    q = torch.zeros(B, Hq, Sq, D, dtype=torch.float16, device=device)
+    k = torch.eye(Sk, D, dtype=torch.float16, device=device).expand(B, Hkv, Sk, D).contiguous()
+    v = k.clone()
+    seed = torch.randint(0, 2**62, (1,), device=device)
+    args = (None, seed, p, 0.5, -1, -1, False)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, Sq, device=device)
+    attention_forward_launch(q, k, v, *args, out, lse, config=fwd_config)
+    unit = dropout_scale(p) / Sk
+    fwd = out[..., :Sk].float() > unit / 2
+    weights = 2.0 ** (torch.arange(Hq, device=device) % G).view(1, Hq, 1, 1)
+    dout = (torch.eye(Sq, D, device=device) * weights).expand(B, Hq, Sq, D).half().contiguous()
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config)
+    n = (dv[..., :Sq].float() / unit).round().long()  # (B, Hkv, Sk, Sq): sum_g 2**g keep^g
+    assert ((n >= 0) & (n < 2**G)).all()
+    dkdv = torch.stack([(n >> g) & 1 for g in range(G)], 2).view(B, Hq, Sk, Sq).transpose(-1, -2).bool()
+    dout = torch.ones_like(q)
+    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config)
+    return dropout_keep_mask(seed, p, B, Hq, Sq, Sk, device), fwd, dkdv, dq[..., :Sk] > 0
+
+
+@pytest.mark.interpret
+def test_kernels_drop_the_reference_elements_under_interpreter(interpreter):
+    # Sk = 45: ceil(Sk / 8) = 6 Philox calls per query row, the last one half past the end; key blocks of
+    # 16 (forward, dQ) and 32 (dK/dV), the latter partial; GQA: the dK/dV kernel walks both q heads.
+    want, *got = _kernel_dropout_masks(2, 2, 1, 37, 45, 48, 0.3, "cpu", fwd_config=(32, 16, 4, 2),
+                                       bwd_config=((16, 32, 4, 2), (32, 16, 4, 2)))
+    assert abs(want.float().mean().item() - 0.7) < 0.05
+    for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
+        assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
+
+
+@pytest.mark.interpret
+def test_varlen_kernels_dropout_under_interpreter(interpreter):
+    # Positions and lengths inside each sequence key the RNG; probe inputs as in _kernel_dropout_masks
+    # make one differing element move out or a gradient by >= scale / len_k (~0.03).
+    from flash_backend.kernels.attention_bwd import attention_varlen_backward_launch
+    from flash_backend.kernels.attention_fwd import attention_varlen_forward_launch
+
+    lens_q, lens_k = [37, 5, 20], [45, 13, 20]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    pos_k = torch.cat([torch.arange(n) for n in lens_k])
+    q = torch.zeros(sum(lens_q), 2, 48, dtype=torch.float16)
+    k = torch.nn.functional.one_hot(pos_k, 48).half()[:, None].contiguous()
+    v = k.clone()
+    seed = torch.randint(0, 2**62, (1,))
+    args = (cu_q, cu_k, max(lens_q), max(lens_k), seed, 0.3, 0.5, -1, -1, False)
+    out, lse = torch.empty_like(q), torch.empty(2, sum(lens_q))
+    attention_varlen_forward_launch(q, k, v, *args, out, lse, config=(32, 16, 4, 2))
+    ref_out, ref_lse = attention_varlen_reference(q, k, v, *args[:2], *args[4:])
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-3, rtol=0)
+    dout = (1 + torch.rand_like(q, dtype=torch.float32)).half()
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    attention_varlen_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
+                                     config=((16, 32, 4, 2), (32, 16, 4, 2)))
+    ref = attention_varlen_backward_reference(dout, q, k, v, ref_out, ref_lse, *args[:2], *args[4:])
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 CUDA_CASES = {
@@ -404,6 +520,15 @@ def test_cuda_dropout_matches_reference_mask(dtype):
         assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-2
     keep = torch.stack([flash_attention(q, k, v, dropout_p=0.3) for _ in range(50)]).float().mean(0)
     assert (keep - flash_attention(q, k, v).float()).abs().mean() < 0.02
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("Sq,Sk,D", [(60, 61, 64), (100, 125, 128), (200, 250, 256)])
+def test_cuda_kernels_drop_the_reference_elements(Sq, Sk, D):
+    # the default configs of each head-dim bucket (key blocks of 32 to 128); Sq, Sk <= D for the probes
+    want, *got = _kernel_dropout_masks(2, 4, 2, Sq, Sk, D, 0.2, "cuda")
+    for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
+        assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
 
 
 @pytest.mark.cuda

@@ -6,6 +6,9 @@ afterwards); dQ, one program per BLOCK_M queries, walking the visible key blocks
 P and dP in the dQ kernel (7 matmuls instead of 5) in exchange for no atomics and no fp32 dQ buffer.
 When the bias needs a gradient the dK/dV kernel also writes dS (fp32, full (B, H, Sq, Sk)), which is then
 summed over the bias's broadcast dims.
+Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one Philox call per 8 keys;
+the dK/dV kernel builds it on its (queries, keys) tile and transposes it) and the same host-computed
+threshold and 1 / P(keep) scale, so the gradients see exactly the forward's dropped elements.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, head_dim_bucket
+from flash_backend.ops.attention import DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
 
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
@@ -91,6 +95,7 @@ def _dkdv_inner(
     offs_m,
     offs_n,
     offs_d,
+    n0,  # first key of offs_n: a multiple of BLOCK_N, hence of 8, as _dropout_keep needs
     lo,
     hi,
     seqlen_q,
@@ -99,11 +104,13 @@ def _dkdv_inner(
     window_left,
     window_right,
     qk_scale,
-    dropout_p,
+    dropout_threshold,
+    dropout_scale,
     bh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -154,10 +161,10 @@ def _dkdv_inner(
         pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
         dpT = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
-            keepT = tl.trans(_dropout_keep(seed, rows, offs_n, seqlen_k, bh, dropout_p))
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            pdT = tl.where(keepT, pT * inv_keep, 0.0)
-            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+            # the (queries, keys) tile the forward draws, transposed: the same bits land on the same (i, j)
+            keepT = tl.trans(_dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N))
+            pdT = tl.where(keepT, pT * dropout_scale, 0.0)
+            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         else:
             pdT = pT
         dv += tl.dot(pdT.to(do.dtype), do)
@@ -229,7 +236,8 @@ def _attention_bwd_dkdv_kernel(
     DELTA_SEQ,  # heads of q, Hq // Hkv, lengths, row length of DELTA
     qk_scale,
     sm_scale,
-    dropout_p,
+    dropout_threshold,  # drop when the 16-bit random half < this (round(p * 65536))
+    dropout_scale,  # 1 / P(keep) of the quantised p
     window_left,
     window_right,
     HEAD_DIM: tl.constexpr,
@@ -252,7 +260,7 @@ def _attention_bwd_dkdv_kernel(
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
     HKV = H // GROUP
     b = pid_bhk // HKV
     hk = pid_bhk % HKV
@@ -376,6 +384,7 @@ def _attention_bwd_dkdv_kernel(
             offs_m,
             offs_n,
             offs_d,
+            n0,
             lo,
             full_lo,
             seqlen_q,
@@ -384,11 +393,13 @@ def _attention_bwd_dkdv_kernel(
             window_left,
             window_right,
             qk_scale,
-            dropout_p,
+            dropout_threshold,
+            dropout_scale,
             bh,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
+            BLOCK_N,
             True,
             HAS_MASK,
             MASK_IS_BOOL,
@@ -418,6 +429,7 @@ def _attention_bwd_dkdv_kernel(
             offs_m,
             offs_n,
             offs_d,
+            n0,
             full_lo,
             full_hi,
             seqlen_q,
@@ -426,11 +438,13 @@ def _attention_bwd_dkdv_kernel(
             window_left,
             window_right,
             qk_scale,
-            dropout_p,
+            dropout_threshold,
+            dropout_scale,
             bh,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
+            BLOCK_N,
             False,
             HAS_MASK,
             MASK_IS_BOOL,
@@ -460,6 +474,7 @@ def _attention_bwd_dkdv_kernel(
             offs_m,
             offs_n,
             offs_d,
+            n0,
             full_hi,
             hi,
             seqlen_q,
@@ -468,11 +483,13 @@ def _attention_bwd_dkdv_kernel(
             window_left,
             window_right,
             qk_scale,
-            dropout_p,
+            dropout_threshold,
+            dropout_scale,
             bh,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
+            BLOCK_N,
             True,
             HAS_MASK,
             MASK_IS_BOOL,
@@ -527,10 +544,12 @@ def _dq_inner(
     window_left,
     window_right,
     qk_scale,
-    dropout_p,
+    dropout_threshold,
+    dropout_scale,
     bh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -570,8 +589,8 @@ def _dq_inner(
         p = tl.math.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, offs_m, cols, seqlen_k, bh, dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            keep = _dropout_keep(seed, offs_m, start_n, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
@@ -624,7 +643,8 @@ def _attention_bwd_dq_kernel(
     DELTA_SEQ,
     qk_scale,
     sm_scale,
-    dropout_p,
+    dropout_threshold,  # drop when the 16-bit random half < this (round(p * 65536))
+    dropout_scale,  # 1 / P(keep) of the quantised p
     window_left,
     window_right,
     HEAD_DIM: tl.constexpr,
@@ -647,7 +667,7 @@ def _attention_bwd_dq_kernel(
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -769,10 +789,12 @@ def _attention_bwd_dq_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
+        dropout_scale,
         pid_bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_MASK,
@@ -805,10 +827,12 @@ def _attention_bwd_dq_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
+        dropout_scale,
         pid_bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         False,
         HAS_MASK,
@@ -841,10 +865,12 @@ def _attention_bwd_dq_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
+        dropout_scale,
         pid_bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_MASK,
@@ -909,6 +935,12 @@ def _launch_backward(
     block_d = max(triton.next_power_of_2(D), 16)
     bucket = head_dim_bucket(D)
     dkdv_cfg, dq_cfg = config or (DKDV_CONFIGS[bucket], DQ_CONFIGS[bucket])
+    if dropout_p > 0.0 and (dkdv_cfg[1] % DROPOUT_KEYS_PER_CALL or dq_cfg[1] % DROPOUT_KEYS_PER_CALL):
+        raise ValueError(
+            f"attention backward: BLOCK_N must be a multiple of {DROPOUT_KEYS_PER_CALL} with "
+            f"dropout (one Philox call per {DROPOUT_KEYS_PER_CALL} keys), got {dkdv_cfg[1]} "
+            f"(dK/dV) and {dq_cfg[1]} (dQ)"
+        )
     varlen = cu_q is not None
     delta_rows, delta_seq = (H, q.shape[0]) if varlen else (B * H, seq_q)
     delta = torch.empty((delta_rows, delta_seq), dtype=torch.float32, device=q.device)
@@ -965,7 +997,8 @@ def _launch_backward(
         delta_seq,
         scale * LOG2E,
         scale,
-        dropout_p,
+        dropout_threshold(dropout_p),
+        dropout_scale(dropout_p),
         window_left,
         window_right,
         BLOCK_M=bm,
@@ -1003,7 +1036,8 @@ def _launch_backward(
         delta_seq,
         scale * LOG2E,
         scale,
-        dropout_p,
+        dropout_threshold(dropout_p),
+        dropout_scale(dropout_p),
         window_left,
         window_right,
         BLOCK_M=bm,

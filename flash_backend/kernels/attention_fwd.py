@@ -6,6 +6,12 @@ sequence end (the masked loop). Blocks entirely outside the window are never vis
 base 2 with log2(e) folded into the scale. Strides are passed for every tensor, so (B, S, H, D)-transposed
 inputs, broadcast masks (stride 0) and packed varlen sequences (per-sequence offsets from cu_seqlens) run
 through the same kernel without copies.
+
+Dropout draws one Philox-4x32 call per 8 consecutive keys of a query row and splits its 4 words into 8
+16-bit halves (`_dropout_keep`; the scheme is in flash_backend/ops/attention.py, Conventions). A call
+per key, as before, made Philox's integer multiplies the bottleneck: ~7x the no-dropout kernel time at
+GPT-2 shapes on an H200. p is quantised to 1/65536 and kept values are scaled by 1 / P(keep) of that
+quantised p (both computed on the host), so the output stays unbiased.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from flash_backend.ops.attention import DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -44,12 +52,27 @@ def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=Non
 
 
 @triton.jit
-def _dropout_keep(seed, offs_m, offs_n, seqlen_k, bh, dropout_p):
-    """Triton's philox(seed, (i * Sk + j, b * H + h, 0, 0)), as the reference's philox_uniform."""
-    c0 = (offs_m[:, None] * seqlen_k + offs_n[None, :]).to(tl.uint32)
+def _dropout_keep(
+    seed, offs_m, col_start, seqlen_k, bh, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """[BLOCK_M, BLOCK_N] keep-mask of queries offs_m and keys col_start + arange(BLOCK_N), as the
+    reference's dropout_keep: philox(seed, (i * cdiv(Sk, 8) + j // 8, b * H + h, 0, 0)), key j taking the
+    16-bit half (j % 2) of word (j % 8) // 2. col_start must be a multiple of 8: every caller passes a
+    multiple of BLOCK_N."""
+    tl.static_assert(
+        BLOCK_N % 8 == 0, "dropout draws 8 keys per Philox call: BLOCK_N must be a multiple of 8"
+    )
+    groups = col_start // 8 + tl.arange(0, BLOCK_N // 8)
+    c0 = (offs_m[:, None] * tl.cdiv(seqlen_k, 8) + groups[None, :]).to(tl.uint32)
     zero = tl.zeros_like(c0)
-    r, _, _, _ = tl.random.philox(seed, c0, zero + bh, zero, zero)
-    return tl.random.uint_to_uniform_float(r) >= dropout_p
+    # 10 rounds (Triton's default): Random123 (Salmon et al., SC'11) recommend 10 for Philox4x32, 7 being the
+    # fewest that passed BigCrush; fewer rounds would save at most ~30% of the RNG work and spend that margin.
+    r0, r1, r2, r3 = tl.random.philox(seed, c0, zero + bh, zero, zero, n_rounds=10)
+    # join appends a minor axis, so the outer join picks the finest position: this orders the words
+    # r0, r1, r2, r3 within a group, then each word's low and high half (as add_dropout_norm's kernels).
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N // 2))
+    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (BLOCK_M, BLOCK_N))
+    return halves.to(tl.int32) >= threshold  # halves < 2**16: the cast keeps the value
 
 
 @triton.jit
@@ -75,10 +98,11 @@ def _attention_fwd_inner(
     window_left,
     window_right,
     qk_scale,
-    dropout_p,
+    dropout_threshold,
     bh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -121,7 +145,8 @@ def _attention_fwd_inner(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed, offs_m, cols, seqlen_k, bh, dropout_p), p, 0.0)
+            keep = _dropout_keep(seed, offs_m, start_n, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
@@ -166,7 +191,8 @@ def _attention_fwd_kernel(
     SEQ_Q,
     SEQ_K,  # heads of q, Hq // Hkv, sequence lengths (dense)
     qk_scale,
-    dropout_p,
+    dropout_threshold,  # drop when the 16-bit random half < this (round(p * 65536))
+    dropout_scale,  # 1 / P(keep) of the quantised p
     window_left,
     window_right,
     HEAD_DIM: tl.constexpr,
@@ -188,7 +214,7 @@ def _attention_fwd_kernel(
     pid_bh = tl.program_id(1)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
-    dropout_p = tl.cast(dropout_p, tl.float32)
+    dropout_scale = tl.cast(dropout_scale, tl.float32)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -283,10 +309,11 @@ def _attention_fwd_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
         bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_MASK,
@@ -318,10 +345,11 @@ def _attention_fwd_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
         bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         False,
         HAS_MASK,
@@ -353,10 +381,11 @@ def _attention_fwd_kernel(
         window_left,
         window_right,
         qk_scale,
-        dropout_p,
+        dropout_threshold,
         bh,
         HEAD_DIM,
         BLOCK_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_MASK,
@@ -370,7 +399,7 @@ def _attention_fwd_kernel(
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+        inv_l = inv_l * dropout_scale
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = (
@@ -424,6 +453,11 @@ def _launch(
 ):
     D = q.shape[-1]
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, attn_mask is not None, config)
+    if dropout_p > 0.0 and block_n % DROPOUT_KEYS_PER_CALL:
+        raise ValueError(
+            f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEYS_PER_CALL} with "
+            f"dropout (one Philox call per {DROPOUT_KEYS_PER_CALL} keys), got {block_n}"
+        )
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
@@ -448,7 +482,8 @@ def _launch(
         seq_q,
         seq_k,
         scale * LOG2E,
-        dropout_p,
+        dropout_threshold(dropout_p),
+        dropout_scale(dropout_p),
         window_left,
         window_right,
         HEAD_DIM=D,
