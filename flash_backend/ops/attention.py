@@ -25,11 +25,14 @@ Conventions shared by the reference and the kernels:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import torch
-from torch.library import triton_op
+from torch.library import triton_op, wrap_triton
+
+from flash_backend.ops._eager import direct_call_ok, plain_launch
 
 __all__ = [
     "attention_reference",
@@ -346,16 +349,15 @@ def _kernel_supports(q, k, v, attn_mask) -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton_op("flash::attention_forward", mutates_args=())
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                      seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
-                      window_right: int, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
+                           bottom_right, launch=wrap_triton):
+    """The body of flash::attention_forward; `launch` is plain_launch on the eager fast path."""
     out, lse = _alloc_forward(q, v)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
         from flash_backend.kernels.attention_fwd import attention_forward_launch
 
         attention_forward_launch(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
-                                 bottom_right, out, lse)
+                                 bottom_right, out, lse, launch=launch)
         return out, lse
     ref_out, ref_lse = attention_reference(q, k, v, attn_mask, seed, dropout_p, scale, window_left,
                                            window_right, bottom_right)
@@ -364,9 +366,40 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     return out, lse
 
 
+@triton_op("flash::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      seed: torch.Tensor | None, dropout_p: float, scale: float, window_left: int,
+                      window_right: int, bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
+                                   bottom_right)
+
+
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bottom_right):
     return _alloc_forward(q, v)
+
+
+def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
+                            window_right, bottom_right, compute_dbias, deterministic, launch=wrap_triton):
+    """The body of flash::attention_backward; `launch` is plain_launch on the eager fast path."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = _alloc_dbias(q, attn_mask, compute_dbias)
+    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
+        from flash_backend.kernels.attention_bwd import attention_backward_launch
+
+        attention_backward_launch(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
+                                  window_right, bottom_right, dq, dk, dv, dbias if compute_dbias else None,
+                                  launch=launch)
+        return dq, dk, dv, dbias
+    rdq, rdk, rdv, rdb = attention_backward_reference(dout, q, k, v, out, lse, attn_mask, seed, dropout_p,
+                                                      scale, window_left, window_right, bottom_right,
+                                                      compute_dbias)
+    dq.copy_(rdq)
+    dk.copy_(rdk)
+    dv.copy_(rdv)
+    if compute_dbias:
+        dbias.copy_(rdb)
+    return dq, dk, dv, dbias
 
 
 @triton_op("flash::attention_backward", mutates_args=())
@@ -379,23 +412,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     `deterministic` is accepted for the schema's sake: every path here is deterministic (no atomics).
     """
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbias = _alloc_dbias(q, attn_mask, compute_dbias)
-    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
-        from flash_backend.kernels.attention_bwd import attention_backward_launch
-
-        attention_backward_launch(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
-                                  window_right, bottom_right, dq, dk, dv, dbias if compute_dbias else None)
-        return dq, dk, dv, dbias
-    rdq, rdk, rdv, rdb = attention_backward_reference(dout, q, k, v, out, lse, attn_mask, seed, dropout_p,
-                                                      scale, window_left, window_right, bottom_right,
-                                                      compute_dbias)
-    dq.copy_(rdq)
-    dk.copy_(rdk)
-    dv.copy_(rdv)
-    if compute_dbias:
-        dbias.copy_(rdb)
-    return dq, dk, dv, dbias
+    return _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
+                                    window_right, bottom_right, compute_dbias, deterministic)
 
 
 @attention_backward.register_fake
@@ -413,16 +431,34 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _forward_backward(ctx, dout, _dlse):
+def _backward_with(ctx, dout, attention_backward_fn):
     q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
     compute_dbias = bool(attn_mask is not None and ctx.needs_input_grad[3])
-    dq, dk, dv, dbias = torch.ops.flash.attention_backward(
+    dq, dk, dv, dbias = attention_backward_fn(
         dout, q, k, v, out, lse, attn_mask, seed, *ctx.params, compute_dbias,
         torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, (dbias if compute_dbias else None), None, None, None, None, None, None
 
 
+def _forward_backward(ctx, dout, _dlse):
+    return _backward_with(ctx, dout, torch.ops.flash.attention_backward)
+
+
 attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _DirectAttention(torch.autograd.Function):
+    """flash::attention_forward and its registered autograd, minus the dispatcher (ops/_eager.py)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attention_forward_impl(*inputs, launch=plain_launch)
+        _forward_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return _backward_with(ctx, dout, functools.partial(_attention_backward_impl, launch=plain_launch))
 
 
 @triton_op("flash::attention_varlen_forward", mutates_args=())
@@ -603,8 +639,11 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     left, right = _window(is_causal, window_size)
     seed = _seed(dropout_p, q.device)
-    out, _ = torch.ops.flash.attention_forward(q, k, v, mask, seed, float(dropout_p), scale, left, right,
-                                               causal_alignment == "bottom_right")
+    inputs = (q, k, v, mask, seed, float(dropout_p), scale, left, right, causal_alignment == "bottom_right")
+    if direct_call_ok(q, k, v, mask) and _kernels_enabled(q) and _kernel_supports(q, k, v, mask):
+        out, _ = _DirectAttention.apply(*inputs)
+    else:
+        out, _ = torch.ops.flash.attention_forward(*inputs)
     return out
 
 
