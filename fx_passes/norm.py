@@ -7,12 +7,21 @@ residual stream) once, and recomputes the dropout mask from its seed in the back
 
 What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
 backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm``, ``F.rms_norm`` /
-``nn.RMSNorm``, LayerNorm written out (mean; ``var(unbiased=False)`` or mean of the squared centred
-value; ``/ sqrt`` or ``* rsqrt``) and RMSNorm written out (Llama: mean of ``x**2`` / ``x*x`` /
-``square``, ``* rsqrt`` or ``/ sqrt``) — widened to include
+``nn.RMSNorm``, LayerNorm written out and RMSNorm written out:
+
+- statistics: LayerNorm's mean and biased variance as ``mean`` + ``var(unbiased=False / correction=0)``,
+  ``torch.var_mean(..)``, or the mean of the squared centred value (``** 2``, ``.pow(2)``, ``d * d``,
+  ``square``); its standard deviation as ``std(unbiased=False)`` / ``std_mean`` (eps = 0); RMSNorm's mean
+  of ``x**2`` / ``x*x`` / ``square`` (Llama, T5, Gemma);
+- the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
+  ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
+  multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
+
+widened to include
 
 - upcasts of its input (``x.float()``) and casts of its output (``.to(input_dtype)``, ``.type_as``),
-- a trailing ``* weight`` and (LayerNorm) ``+ bias`` of shape (N,), on either side,
+- a trailing ``* weight`` and (LayerNorm) ``+ bias`` of shape (N,), on either side, or
+  ``torch.addcmul(bias, normalised, weight)``,
 - the tensor it normalises when that is ``dropout(x) + residual`` (either order), ``x + residual``
   or ``dropout(x)``; when that tensor has other users (pre-norm blocks), they read the op's
   residual output instead (``return_residual=True``).
@@ -24,7 +33,9 @@ by running the fused op on the fake inputs, most fused form first (upcasts folde
 then keeping an upcast as the op's input or leaving trailing casts / affine ops after the op, where they
 run as eager ran them (a bf16 norm times an fp32 weight promotes there). When no form gives eager's
 dtype and shape, or a structural check fails, the candidate is left alone whole, never silently
-promoted, and reported with its reason.
+promoted, and reported with its reason. Look-alikes that are other functions are reported too: an unbiased
+variance or standard deviation (``x.var(-1)``, ``var_mean`` / ``std`` defaults, ``correction=1``), eps added
+after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + eps)``, ``sqrt(ms) + eps``).
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ class _Core:
     inner: set[torch.fx.Node] = field(default_factory=set)  # nodes only the norm uses, out excluded
     # after out: (kind, node, operand) for "cast" / "weight" / "bias"; weight and bias above are the
     # norm call's own
-    tail: list[tuple[str, torch.fx.Node, torch.fx.Node | None]] = field(default_factory=list)
+    tail: list[tuple[str, torch.fx.Node, torch.fx.Node | tuple | None]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -264,36 +275,74 @@ def _match_norm_call(node: torch.fx.Node) -> _Core:
 
 
 def _denominator(stat: torch.fx.Node):
-    """From a variance / mean square: (eps, eps add node or None, root, is_sqrt) for
-    ``rsqrt(stat + eps)`` / ``sqrt(stat + eps)`` (eps may be absent), else None."""
-    base, add, eps = stat, None, 0.0
+    """From a variance / mean square: (eps, intermediate nodes, root, is_sqrt) for ``rsqrt(stat + eps)`` /
+    ``sqrt(stat + eps)`` / ``(stat + eps) ** ±0.5`` / ``1 / sqrt(..)`` (eps may be absent), else None."""
+    base, nodes, eps = stat, set(), 0.0
     for user in stat.users:
         other = _other(user, "add", stat)
         if other is not None and _is_scalar(other):
-            base, add, eps = user, user, other
+            base, nodes, eps = user, {user}, other
             break
     for user in base.users:
         if user.args and user.args[0] is base and not user.kwargs:
             if is_op(user, "rsqrt") and len(user.args) == 1:
-                return eps, add, user, False
+                return eps, nodes, user, False
             if is_op(user, "sqrt") and len(user.args) == 1:
-                return eps, add, user, True
+                return (eps, *_reciprocal_of(user, nodes))
             if is_op(user, "pow") and len(user.args) == 2 and user.args[1] in (0.5, -0.5):
-                return eps, add, user, user.args[1] == 0.5
+                if user.args[1] == 0.5:
+                    return (eps, *_reciprocal_of(user, nodes))
+                return eps, nodes, user, False
     return None
 
 
-def _numerator(root: torch.fx.Node, is_sqrt: bool, accept) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """The node computing value * rsqrt(..) or value / sqrt(..), with value accepted; (node, value)."""
+def _reciprocal_of(root: torch.fx.Node, nodes: set) -> tuple[set, torch.fx.Node, bool]:
+    """(nodes, root, is_sqrt) for a square root, seen as an rsqrt when it is only inverted
+    (``1 / sqrt(..)``, ``torch.reciprocal(sqrt(..))``), which then multiplies the value."""
+    if len(root.users) == 1:
+        user = next(iter(root.users))
+        pair = _binary(user, "div")
+        if pair is not None and pair[1] is root and is_number(pair[0]) and pair[0] == 1 or (
+            is_op(user, "reciprocal") and user.args == (root,) and not user.kwargs
+        ):
+            return nodes | {root}, user, False
+    return nodes, root, True
+
+
+@dataclass
+class _Scaled:
+    """value * rsqrt(..) / value / sqrt(..): the node, the accepted value, and a weight the value was
+    multiplied by first (``w * (x - mean) / sqrt(var + eps)``, parsed as ``(w * (x - mean)) / ...``)."""
+
+    out: torch.fx.Node
+    value: torch.fx.Node
+    weight: torch.fx.Node | None = None
+    weighted: torch.fx.Node | None = None
+
+
+def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.Node) -> _Scaled:
+    """The node computing value * rsqrt(..) or value / sqrt(..), with value accepted (or value * weight,
+    either order, weight of shape (n,) and not computed from the normalised tensor source)."""
     for user in root.users:
         if is_sqrt:
             pair = _binary(user, "div")
-            if pair is not None and pair[1] is root and accept(pair[0]):
-                return user, pair[0]
+            candidate = pair[0] if pair is not None and pair[1] is root else None
         else:
-            other = _other(user, "mul", root)
-            if other is not None and accept(other):
-                return user, other
+            candidate = _other(user, "mul", root)
+        if not isinstance(candidate, torch.fx.Node):
+            continue
+        if accept(candidate):
+            return _Scaled(user, candidate)
+        pair = _binary(candidate, "mul")
+        for value, weight in (pair, pair[::-1]) if pair is not None else ():
+            t = tensor_meta(weight)
+            if accept(value) and t is not None and t.dim() == 1 and _same_size(t.shape[0], n) \
+                    and not _depends_on(weight, {source}):
+                return _Scaled(user, value, weight, candidate)
+    for user in root.users:
+        if _other(user, "add", root) is not None and _is_scalar(_other(user, "add", root)):
+            raise _Miss(f"eps is added after the square root ({root.name} + eps), not under it as "
+                        "LayerNorm / RMSNorm add it: not the same function")
     form = "value / sqrt(...)" if is_sqrt else "value * rsqrt(...)"
     raise _Miss(f"{root.name} does not scale the normalised value as {form}")
 
@@ -323,16 +372,33 @@ def _match_rms(mean: torch.fx.Node) -> _Core | None:
     _check_last_dim(mean, dim, keepdim, "the mean of squares")
     if has_dtype:
         raise _Miss("the mean of squares has a dtype= argument")
-    eps, add, root, is_sqrt = chain
+    eps, nodes, root, is_sqrt = chain
+    n = tensor_meta(mean.args[0]).shape[-1]
     # T5 squares x.float() but scales x itself: the same values, as upcasts are exact.
-    out, value = _numerator(root, is_sqrt, lambda v: _same_value(v, y) or _upcast_root(v) is _upcast_root(y))
+    accept = lambda v: _same_value(v, y) or _upcast_root(v) is _upcast_root(y)
+    scaled = _numerator(root, is_sqrt, accept, n, _upcast_root(y))
+    out, value = scaled.out, scaled.value
     eps = _constant(eps, "eps")
-    inner = {mean.args[0], mean, root} | ({add} if add is not None else set())
+    inner = {mean.args[0], mean, root} | nodes | ({scaled.weighted} if scaled.weighted is not None else set())
     if value is not y and value is not _upcast_root(y):
         inner.add(value)  # a second spelling of y's cast
     upcasts = _walk_upcasts(y, inner | {out})
     x = upcasts[-1].args[0] if upcasts else y
-    return _Core(variant, True, x, upcasts, eps, None, None, out, mean, inner)
+    if scaled.weight is not None:
+        variant += " + weight"  # on the numerator: (w * x) * rsqrt(...)
+    return _Core(variant, True, x, upcasts, eps, scaled.weight, None, out, mean, inner)
+
+
+def _biased(node: torch.fx.Node) -> bool:
+    """A var / std / var_mean / std_mean call with unbiased=False or correction=0 (LayerNorm's variance)."""
+    unbiased, correction = arg(node, 2, "unbiased", None), node.kwargs.get("correction")
+    if isinstance(unbiased, bool) and correction is None:
+        return not unbiased
+    return unbiased is None and correction is not None and correction == 0
+
+
+_REDUCTION_NAMES = {"var": "the variance", "std": "the standard deviation", "var_mean": "var_mean",
+                    "std_mean": "std_mean"}
 
 
 def _match_layer(mean: torch.fx.Node) -> _Core | None:
@@ -340,36 +406,28 @@ def _match_layer(mean: torch.fx.Node) -> _Core | None:
     subs = [u for u in mean.users if _centered(u, mean)]
     if not subs:
         return None
-    # The variance: x.var(dim, unbiased=False / correction=0) or mean((x - mean)**2).
+    # The variance: x.var(dim, unbiased=False / correction=0) or mean((x - mean)**2); or the standard
+    # deviation x.std(dim, ...), which is already its square root.
     stats = []
     for node in list(x.users) + [v for s in subs for v in s.users]:
-        if is_op(node, "var") and node.args and node.args[0] is x:
+        if is_op(node, "var", "std") and node.args and node.args[0] is x:
             stats.append(node)
         elif _is_mean_node(node) and any(_same_value(_square_of(node.args[0]), s) for s in subs):
             stats.append(node)
         elif _square_of(node) is not None and _same_value(_square_of(node), subs[0]):
             stats.extend(u for u in node.users if _is_mean_node(u))
     stats = list(dict.fromkeys(stats))
-    chains = [(s, _denominator(s)) for s in stats]
+    chains = [(s, _stat_chain(s, is_op(s, "std"))) for s in stats]
     chains = [(s, c) for s, c in chains if c is not None]
     if not chains:
         return None
-    stat, (eps, add, root, is_sqrt) = chains[0]
-    variant = "hand-written LayerNorm"
+    stat, chain = chains[0]
     dim, keepdim, has_dtype = _mean_spec(mean)
     _check_last_dim(mean, dim, keepdim, "the mean")
-    if is_op(stat, "var"):
-        unbiased, correction = arg(stat, 2, "unbiased", None), stat.kwargs.get("correction")
-        if isinstance(unbiased, bool) and correction is None:
-            biased = not unbiased
-        else:
-            biased = correction == 0 and unbiased is None
-        if not biased:
-            raise _Miss("the variance is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
-        vdim, vkeep = arg(stat, 1, "dim"), bool(arg(stat, 3, "keepdim", stat.kwargs.get("keepdim", False)))
-        _check_last_dim(stat, vdim, vkeep, "the variance")
-        inner = {stat}
+    if is_op(stat, "var", "std"):
+        reduction, inner = stat, {stat}
     else:
+        reduction = None
         sdim, skeep, sdtype = _mean_spec(stat)
         _check_last_dim(stat, sdim, skeep, "the variance")
         if sdtype:
@@ -377,13 +435,60 @@ def _match_layer(mean: torch.fx.Node) -> _Core | None:
         inner = {stat, stat.args[0]} | {a for a in stat.args[0].args if isinstance(a, torch.fx.Node)}
     if has_dtype:
         raise _Miss("the mean has a dtype= argument")
-    out, centered = _numerator(root, is_sqrt, lambda v: any(_same_value(v, s) for s in subs))
+    return _layer_core(x, subs, reduction, chain, inner | {mean}, mean)
+
+
+def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
+    """``var, mean = torch.var_mean(x, -1, keepdim=True, unbiased=False)`` (or std_mean) and
+    ``(x - mean) * rsqrt(var + eps)`` / ``(x - mean) / (std + ...)``."""
+    items = {u.args[1]: u for u in vm.users if is_op(u, "getitem") and len(u.args) == 2}
+    if set(items) != {0, 1} or len(vm.users) != 2 or not vm.args:
+        return None
+    stat, mean, x = items[0], items[1], vm.args[0]
+    subs = [u for u in mean.users
+            if _binary(u, "sub") and u.args[1] is mean and _same_value(u.args[0], x)]
+    if not subs:
+        return None
+    chain = _stat_chain(stat, is_op(vm, "std_mean"))
+    if chain is None:
+        return None
+    return _layer_core(x, subs, vm, chain, {vm, stat, mean}, vm)
+
+
+def _stat_chain(stat: torch.fx.Node, is_std: bool):
+    """_denominator of a variance; a standard deviation is its own square root (eps absent)."""
+    return (0.0, set(), stat, True) if is_std else _denominator(stat)
+
+
+def _layer_core(x, subs, reduction, chain, inner: set, anchor) -> _Core:
+    """The LayerNorm core from its centred values and statistic. reduction is the var / std / var_mean /
+    std_mean call whose dim, keepdim and correction are checked here (None: a mean of squares, checked
+    by the caller)."""
+    eps, nodes, root, is_sqrt = chain
+    reasons = []
+    if reduction is not None:
+        what = _REDUCTION_NAMES[op_name(reduction)]
+        _check_last_dim(reduction, arg(reduction, 1, "dim"), bool(arg(reduction, 3, "keepdim", False)), what)
+        if not _biased(reduction):
+            reasons.append(f"{what} is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
+    # Every reason is given (the Annotated Transformer's x.std() + eps has two).
+    try:
+        scaled = _numerator(root, is_sqrt, lambda v: any(_same_value(v, s) for s in subs),
+                            tensor_meta(x).shape[-1], _upcast_root(x))
+    except _Miss as miss:
+        raise _Miss("; ".join(reasons + [str(miss)])) from None
+    if reasons:
+        raise _Miss("; ".join(reasons))
     eps = _constant(eps, "eps")
-    inner |= {mean, root, centered} | set(subs) | ({add} if add is not None else set())
+    inner = inner | {root, scaled.value} | set(subs) | nodes
+    if scaled.weighted is not None:
+        inner.add(scaled.weighted)
     inner.discard(x)
-    upcasts = _walk_upcasts(x, inner | {out})
+    upcasts = _walk_upcasts(x, inner | {scaled.out})
     x_in = upcasts[-1].args[0] if upcasts else x
-    return _Core(variant, False, x_in, upcasts, eps, None, None, out, mean, inner)
+    # A weight on the numerator ((w * (x - mean)) / sqrt(var + eps)) is the op's weight, named in the variant.
+    variant = "hand-written LayerNorm" + (" + weight" if scaled.weight is not None else "")
+    return _Core(variant, False, x_in, upcasts, eps, scaled.weight, None, scaled.out, anchor, inner)
 
 
 def _check_inner(core: _Core) -> None:
@@ -407,6 +512,13 @@ def _widen_tail(core: _Core) -> None:
             core.tail.append(("cast", user, None))
             cur = user
             continue
+        if not has_weight and not has_bias and not core.is_rms:
+            affine = _addcmul_affine(user, cur, n, pattern)
+            if affine is not None:
+                has_weight = has_bias = True
+                core.tail.append(("weight + bias", user, affine))
+                cur = user
+                continue
         is_mul = not has_weight and not has_bias and _other(user, "mul", cur) is not None
         is_add = not core.is_rms and not has_bias and _other(user, "add", cur) is not None
         if not (is_mul or is_add):
@@ -428,9 +540,33 @@ def _widen_tail(core: _Core) -> None:
         break
 
 
+def _addcmul_affine(node: torch.fx.Node, cur: torch.fx.Node, n, pattern) -> tuple | None:
+    """(weight, bias) of ``torch.addcmul(bias, cur, weight)`` (either factor order, value=1), both (n,)
+    tensors the norm does not compute, else None."""
+    if not is_op(node, "addcmul") or len(node.args) != 3 or set(node.kwargs) - {"value"}:
+        return None
+    if node.kwargs.get("value", 1) != 1:
+        return None
+    bias, t1, t2 = node.args
+    if cur not in (t1, t2) or t1 is t2 or bias is cur:
+        return None
+    weight = t2 if t1 is cur else t1
+    for operand in (weight, bias):
+        t = tensor_meta(operand)
+        if t is None or t.dim() != 1 or not _same_size(t.shape[0], n) or _depends_on(operand, pattern):
+            return None
+    return weight, bias
+
+
 def _affine(core: _Core, tail) -> tuple[torch.fx.Node | None, torch.fx.Node | None]:
-    weight = next((o for k, _, o in tail if k == "weight"), core.weight)
-    bias = next((o for k, _, o in tail if k == "bias"), core.bias)
+    weight, bias = core.weight, core.bias
+    for kind, _, operand in tail:
+        if kind == "weight":
+            weight = operand
+        elif kind == "bias":
+            bias = operand
+        elif kind == "weight + bias":  # addcmul(bias, normalised, weight)
+            weight, bias = operand
     return weight, bias
 
 
@@ -604,7 +740,8 @@ def rewrite(graph: torch.fx.Graph) -> None:
         return
     _float_inputs_to_specialise.clear()
     decisions = []  # reported once the run is known to stand (see the end)
-    anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm") or _is_mean_node(n)]
+    anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm", "var_mean", "std_mean")
+               or _is_mean_node(n)]
     done: set[torch.fx.Node] = set()
     for node in anchors:
         if node in done:
@@ -615,6 +752,9 @@ def rewrite(graph: torch.fx.Graph) -> None:
             if is_op(node, "layer_norm", "rms_norm"):
                 variant = "F.rms_norm" if is_op(node, "rms_norm") else "F.layer_norm"
                 core = _match_norm_call(node)
+            elif is_op(node, "var_mean", "std_mean"):
+                variant = "hand-written LayerNorm"
+                core = _match_var_mean(node)
             else:
                 variant = "hand-written LayerNorm"
                 core = _match_layer(node)

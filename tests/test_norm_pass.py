@@ -405,6 +405,105 @@ def test_hand_written_layernorm_spellings(var_form, scale, affine):
     _check_rewrite(_hand_ln(var_form, scale, affine), (_x(2, 3, N),), text=text, atol=1e-4, rtol=1e-4)
 
 
+def _stats(form, x):
+    """(mean, variance) of x over the last dim, or (mean, standard deviation) for the "std" forms."""
+    if form == "var_mean":
+        var, mu = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+    elif form == "var_mean_correction":
+        var, mu = torch.var_mean(x, -1, keepdim=True, correction=0)
+    elif form == "var_method":
+        mu, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+    elif form == "sq_op":
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    elif form == "square":
+        mu = torch.mean(x, dim=-1, keepdim=True)
+        var = torch.square(x - mu).mean(dim=-1, keepdim=True)
+    elif form == "std_mean":  # no eps: LayerNorm with eps=0, the same function
+        var, mu = torch.std_mean(x, -1, keepdim=True, correction=0)
+    return mu, var
+
+
+def _scaled(scale, c, var):
+    return {
+        "div_sqrt": lambda: c / torch.sqrt(var + 1e-5),
+        "rsqrt_method": lambda: c * (var + 1e-5).rsqrt(),
+        "torch_rsqrt": lambda: torch.rsqrt(var + 1e-5) * c,
+        "pow_half": lambda: c / (var + 1e-5).pow(0.5),
+        "op_half": lambda: c / (1e-5 + var) ** 0.5,
+        "op_mhalf": lambda: c * (var + 1e-5) ** -0.5,
+        "reciprocal": lambda: c * torch.reciprocal(torch.sqrt(var + 1e-5)),
+        "one_over": lambda: c * (1.0 / torch.sqrt(var + 1e-5)),
+        "div_std": lambda: c / var,
+    }[scale]()
+
+
+def _hand_ln2(stats, scale, affine):
+    def fn(m, x):
+        mu, var = _stats(stats, x)
+        y = _scaled(scale, x - mu, var)
+        return {
+            "w*y+b": lambda: m.weight * y + m.bias,
+            "y*w+b": lambda: y * m.weight + m.bias,
+            "addcmul": lambda: torch.addcmul(m.bias, y, m.weight),
+            "addcmul_w_first": lambda: m.bias.addcmul(m.weight, y),
+            "none": lambda: y,
+        }[affine]()
+
+    return Fn(fn)
+
+
+@pytest.mark.parametrize("stats,scale,affine", [
+    ("var_mean", "div_sqrt", "w*y+b"),
+    ("var_mean_correction", "rsqrt_method", "y*w+b"),
+    ("var_mean", "torch_rsqrt", "addcmul"),
+    ("var_method", "pow_half", "addcmul_w_first"),
+    ("sq_op", "op_half", "w*y+b"),
+    ("square", "op_mhalf", "none"),
+    ("var_method", "reciprocal", "y*w+b"),
+    ("sq_op", "one_over", "addcmul"),
+    ("std_mean", "div_std", "w*y+b"),
+])
+def test_hand_written_layernorm_more_spellings(stats, scale, affine):
+    text = "hand-written LayerNorm" + (" + weight + bias" if affine != "none" else " ->")
+    _check_rewrite(_hand_ln2(stats, scale, affine), (_x(2, 3, N),), text=text, atol=1e-4, rtol=1e-4)
+
+
+def test_weight_on_the_numerator():
+    # w * (x - mean) / sqrt(var + eps) + b parses as (w * (x - mean)) / ...: the op's weight all the same
+    def ln(m, x):
+        var, mu = torch.var_mean(x, -1, keepdim=True, unbiased=False)
+        return m.weight * (x - mu) / torch.sqrt(var + 1e-5) + m.bias
+
+    def rms(m, x):
+        return x * m.weight * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+    _check_rewrite(Fn(ln), (_x(2, 3, N),), text="hand-written LayerNorm + weight + bias", atol=1e-4,
+                   rtol=1e-4)
+    _check_rewrite(Fn(rms, bias=False), (_x(2, 3, N),), text="hand-written RMSNorm + weight")
+
+
+def test_var_mean_layernorm_with_dropout_residual_and_upcast():
+    # pre-norm: dropout(x) + residual feeds the var_mean LayerNorm and is returned
+    def pre_norm(m, x, r):
+        h = r + F.dropout(x, 0.0)
+        var, mu = torch.var_mean(h, dim=-1, keepdim=True, correction=0)
+        return (h - mu) * torch.rsqrt(var + 1e-5) * m.weight + m.bias, h
+
+    _check_rewrite(Fn(pre_norm), (_x(3, N), _x(3, N)), text="dropout + residual add + hand-written LayerNorm")
+
+    # bf16 input, statistics in fp32, cast back (the upcast folds into the op)
+    def upcast(m, x):
+        h = x.float()
+        var, mu = torch.var_mean(h, -1, keepdim=True, unbiased=False)
+        return m.weight * ((h - mu) * torch.rsqrt(var + 1e-5)).to(x.dtype) + m.bias
+
+    _check_rewrite(Fn(upcast, dtype=torch.bfloat16), (_x(4, N, dtype=torch.bfloat16),),
+                   text="hand-written LayerNorm + weight + bias", atol=2e-2, rtol=2e-2)
+
+
+
+
 def test_mixed_dtype_residual_promotes_like_eager():
     # bf16 x + fp32 residual is an fp32 sum; the op promotes the same way, and so does its output.
     def fn(m, x, r):
@@ -500,6 +599,48 @@ def test_near_miss_intermediate_with_other_users():
         return (x - u) * torch.rsqrt(s + 1e-5), s
 
     _check_near_miss(Fn(fn), (_x(3, N),), "users outside the norm")
+
+
+def test_near_miss_unbiased_var_mean_and_correction_1():
+    def var_mean(m, x):
+        var, mu = torch.var_mean(x, dim=-1, keepdim=True)  # correction=1 by default
+        return (x - mu) * torch.rsqrt(var + 1e-5)
+
+    def correction_1(m, x):
+        mu = x.mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(torch.var(x, -1, keepdim=True, correction=1) + 1e-5)
+
+    _check_near_miss(Fn(var_mean), (_x(3, N),), "var_mean is unbiased")
+    _check_near_miss(Fn(correction_1), (_x(3, N),), "the variance is unbiased")
+
+
+class AnnotatedTransformerLayerNorm(nn.Module):
+    """The Annotated Transformer's LayerNorm: unbiased std, eps added to the std. Not nn.LayerNorm."""
+
+    def __init__(self, n=N, eps=1e-6):
+        super().__init__()
+        self.a_2, self.b_2, self.eps = nn.Parameter(torch.ones(n)), nn.Parameter(torch.zeros(n)), eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        std = x.std(-1, keepdim=True)
+        return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
+
+
+def test_near_miss_eps_outside_the_square_root():
+    reason = "eps is added after the square root"
+    report = _check_near_miss(AnnotatedTransformerLayerNorm(), (_x(3, N),), reason)
+    assert "standard deviation is unbiased" in report.near_misses[0].detail  # both reasons are given
+
+    def ln_sqrt_then_eps(m, x):
+        var, mu = torch.var_mean(x, -1, keepdim=True, correction=0)
+        return (x - mu) / (torch.sqrt(var) + 1e-5)
+
+    def rms_sqrt_then_eps(m, x):
+        return x / (torch.sqrt(x.pow(2).mean(-1, keepdim=True)) + EPS)
+
+    _check_near_miss(Fn(ln_sqrt_then_eps), (_x(3, N),), "eps is added after the square root")
+    _check_near_miss(Fn(rms_sqrt_then_eps), (_x(3, N),), "eps is added after the square root")
 
 
 # --------------------------------------------------------------------------------------------------------
