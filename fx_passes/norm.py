@@ -12,7 +12,9 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
 - statistics: LayerNorm's mean and biased variance as ``mean`` + ``var(unbiased=False / correction=0)``,
   ``torch.var_mean(..)``, or the mean of the squared centred value (``** 2``, ``.pow(2)``, ``d * d``,
   ``square``); its standard deviation as ``std(unbiased=False)`` / ``std_mean`` (eps = 0); RMSNorm's mean
-  of ``x**2`` / ``x*x`` / ``square`` (Llama, T5, Gemma);
+  of ``x**2`` / ``x*x`` / ``square`` (Llama, T5, Gemma), or the 2-norm scaled to a root mean square,
+  ``x.norm(2, -1, keepdim=True) * N ** -0.5`` (also ``torch.norm``, ``linalg.vector_norm``, ``/ sqrt(N)``;
+  eps = 0);
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
   ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
   multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
@@ -35,7 +37,9 @@ run as eager ran them (a bf16 norm times an fp32 weight promotes there). When no
 dtype and shape, or a structural check fails, the candidate is left alone whole, never silently
 promoted, and reported with its reason. Look-alikes that are other functions are reported too: an unbiased
 variance or standard deviation (``x.var(-1)``, ``var_mean`` / ``std`` defaults, ``correction=1``), eps added
-after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + eps)``, ``sqrt(ms) + eps``).
+after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + eps)``, ``sqrt(ms) + eps``),
+eps added to or a clamp of the 2-norm's root mean square (``x / (norm * N ** -0.5 + eps)``, Zhang &
+Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains').
 """
 
 from __future__ import annotations
@@ -491,6 +495,77 @@ def _layer_core(x, subs, reduction, chain, inner: set, anchor) -> _Core:
     return _Core(variant, False, x_in, upcasts, eps, scaled.weight, None, scaled.out, anchor, inner)
 
 
+def _two_norm(node: torch.fx.Node):
+    """(x, dim, keepdim) of the Euclidean norm of x over dim (x.norm(2, dim), torch.norm,
+    torch.linalg.vector_norm / norm), else None."""
+    if (node.op, node.target) in (("call_method", "norm"), ("call_function", torch.norm)):
+        p = arg(node, 1, "p", "fro")
+    elif node.op == "call_function" and node.target in (torch.linalg.vector_norm, torch.linalg.norm):
+        p = arg(node, 1, "ord", None)
+    else:
+        return None
+    dim, keepdim = arg(node, 2, "dim"), arg(node, 3, "keepdim", False)
+    # "fro" and ord=None over one dim are the 2-norm too
+    if p not in (2, "fro", None) or dim is None or "dtype" in node.kwargs or not node.args:
+        return None
+    return node.args[0], dim, bool(keepdim)
+
+
+def _divides(node: torch.fx.Node, by: torch.fx.Node, x) -> bool:
+    """node is x / by (x or an exact upcast of it)."""
+    pair = _binary(node, "div")
+    if pair is None or pair[1] is not by:
+        return False
+    return _same_value(pair[0], x) or _upcast_root(pair[0]) is _upcast_root(x)
+
+
+def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
+    """RMSNorm from the 2-norm: ``x / (x.norm(2, -1, keepdim=True) * N ** -0.5)`` (or ``/ sqrt(N)``), which
+    is ``x * rsqrt(mean(x²))``, eps = 0. Adding eps to that root mean square, or clamping it, is another
+    function (Zhang & Sennrich's reference RMSNorm, lucidrains'): reported, not rewritten."""
+    spec = _two_norm(norm)
+    if spec is None:
+        return None
+    x, dim, keepdim = spec
+    t = tensor_meta(x)
+    if t is None or len(norm.users) != 1 or norm_dim(dim, t.dim()) is None:
+        return None
+    n = t.shape[norm_dim(dim, t.dim())]
+    rms = next(iter(norm.users))
+    c, inverse = _other(rms, "mul", norm), False
+    if c is None:
+        pair = _binary(rms, "div")
+        c, inverse = (pair[1], True) if pair is not None and pair[0] is norm else (None, False)
+    if c is None or not _is_scalar(c) or is_number(c) and c == 0:
+        return None
+    if not (is_number(c) and isinstance(n, int)):
+        if any(_divides(u, rms, x) for u in rms.users):
+            raise _Miss(f"the 2-norm's scale {getattr(c, 'name', c)} or the size {n} is symbolic (dynamic "
+                        "shapes): it cannot be proven to be 1 / sqrt(N)")
+        return None
+    if abs((n / (c * c) if inverse else c * c * n) - 1) > 1e-6:
+        return None  # a norm, but not scaled to a root mean square (F.normalize-like): not a candidate
+    variant = "hand-written RMSNorm (2-norm / sqrt(N))"
+    for user in rms.users:
+        eps = _other(user, "add", rms)
+        if eps is not None and _is_scalar(eps) and any(_divides(u, user, x) for u in user.users):
+            raise _Miss("eps is added to the root mean square (x / (norm / sqrt(N) + eps)), not under the "
+                        "square root as RMSNorm does (x * rsqrt(mean(x²) + eps)): not the same function")
+        if is_op(user, "clamp", "clamp_min") and any(_divides(u, user, x) for u in user.users):
+            raise _Miss("the root mean square is clamped (x / max(norm / sqrt(N), eps)), not eps added under "
+                        "the square root as RMSNorm does (x * rsqrt(mean(x²) + eps)): not the same function")
+    out = next((u for u in rms.users if _divides(u, rms, x)), None)
+    if out is None:
+        return None
+    _check_last_dim(norm, dim, keepdim, "the 2-norm")
+    inner = {norm, rms}
+    if out.args[0] is not x and out.args[0] is not _upcast_root(x):
+        inner.add(out.args[0])
+    upcasts = _walk_upcasts(x, inner | {out})
+    x_in = upcasts[-1].args[0] if upcasts else x
+    return _Core(variant, True, x_in, upcasts, 0.0, None, None, out, norm, inner)
+
+
 def _check_inner(core: _Core) -> None:
     pattern = core.inner | {core.out} | set(core.upcasts)
     for node in sorted(core.inner | set(core.upcasts), key=lambda n: n.name):
@@ -741,7 +816,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     _float_inputs_to_specialise.clear()
     decisions = []  # reported once the run is known to stand (see the end)
     anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm", "var_mean", "std_mean")
-               or _is_mean_node(n)]
+               or _is_mean_node(n) or _two_norm(n) is not None]
     done: set[torch.fx.Node] = set()
     for node in anchors:
         if node in done:
@@ -755,6 +830,9 @@ def rewrite(graph: torch.fx.Graph) -> None:
             elif is_op(node, "var_mean", "std_mean"):
                 variant = "hand-written LayerNorm"
                 core = _match_var_mean(node)
+            elif _two_norm(node) is not None:
+                variant = "hand-written RMSNorm (2-norm / sqrt(N))"
+                core = _match_two_norm_rms(node)
             else:
                 variant = "hand-written LayerNorm"
                 core = _match_layer(node)

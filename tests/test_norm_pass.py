@@ -8,6 +8,7 @@ Inductor compile; a handful of models go through `torch.compile(backend="flash",
 
 from __future__ import annotations
 
+import math
 import operator
 
 import pytest
@@ -502,6 +503,20 @@ def test_var_mean_layernorm_with_dropout_residual_and_upcast():
                    text="hand-written LayerNorm + weight + bias", atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("form", ["tensor_norm", "torch_norm", "vector_norm"])
+def test_rmsnorm_from_the_2_norm_without_eps(form):
+    # x / (‖x‖ / sqrt(N)) is x * rsqrt(mean(x²)): RMSNorm with eps = 0, the same function
+    def fn(m, x):
+        if form == "tensor_norm":
+            rms = x.norm(2, dim=-1, keepdim=True) * N**-0.5
+        elif form == "torch_norm":
+            rms = N**-0.5 * torch.norm(x, dim=-1, keepdim=True)
+        else:
+            rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True) / math.sqrt(N)
+        return m.weight * (x / rms)
+
+    text = "hand-written RMSNorm (2-norm / sqrt(N)) + weight"
+    _check_rewrite(Fn(fn, bias=False), (_x(3, 5, N),), text=text)
 
 
 def test_mixed_dtype_residual_promotes_like_eager():
@@ -627,10 +642,28 @@ class AnnotatedTransformerLayerNorm(nn.Module):
         return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
 
 
+class ReferenceRMSNorm(nn.Module):
+    """Zhang & Sennrich's reference RMSNorm: eps added to the root mean square, x / (rms + eps)."""
+
+    def __init__(self, d=N, eps=1e-8):
+        super().__init__()
+        self.d, self.eps, self.scale = d, eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        norm_x = x.norm(2, dim=-1, keepdim=True)
+        rms_x = norm_x * self.d ** (-1.0 / 2)
+        return self.scale * (x / (rms_x + self.eps))
+
+
 def test_near_miss_eps_outside_the_square_root():
     reason = "eps is added after the square root"
     report = _check_near_miss(AnnotatedTransformerLayerNorm(), (_x(3, N),), reason)
     assert "standard deviation is unbiased" in report.near_misses[0].detail  # both reasons are given
+    _check_near_miss(ReferenceRMSNorm(), (_x(3, N),), "eps is added to the root mean square")
+
+    def clamped(m, x):  # lucidrains' RMSNorm
+        norm = torch.norm(x, dim=-1, keepdim=True) * N**-0.5
+        return x / norm.clamp(min=1e-8) * m.weight
 
     def ln_sqrt_then_eps(m, x):
         var, mu = torch.var_mean(x, -1, keepdim=True, correction=0)
@@ -639,6 +672,7 @@ def test_near_miss_eps_outside_the_square_root():
     def rms_sqrt_then_eps(m, x):
         return x / (torch.sqrt(x.pow(2).mean(-1, keepdim=True)) + EPS)
 
+    _check_near_miss(Fn(clamped, bias=False), (_x(3, N),), "the root mean square is clamped")
     _check_near_miss(Fn(ln_sqrt_then_eps), (_x(3, N),), "eps is added after the square root")
     _check_near_miss(Fn(rms_sqrt_then_eps), (_x(3, N),), "eps is added after the square root")
 
@@ -689,6 +723,23 @@ def test_e2e_llama_block_bf16():
     flash_err = (got.float() - reference).abs().max().item()
     assert flash_err <= 2 * eager_err + 1e-2, (flash_err, eager_err)
 
+
+def test_e2e_var_mean_layernorm_and_2_norm_rmsnorm_training():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(N, N)
+            self.w1, self.b1, self.w2 = (nn.Parameter(torch.randn(N)) for _ in range(3))
+
+        def forward(self, x):
+            var, mu = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+            h = torch.addcmul(self.b1, (x - mu) * torch.rsqrt(var + 1e-5), self.w1)
+            h = self.lin(h)
+            return self.w2 * (h / (h.norm(2, dim=-1, keepdim=True) * N**-0.5))
+
+    m = Block()
+    _assert_same(m, _compile_flash(m), (_x(2, 9, N),), atol=1e-4, rtol=1e-4)
+    assert counters["flash"]["norm"] == 2 and counters["flash"]["norm_skipped"] == 0
 
 def test_e2e_dropout_statistics_and_gradient():
     # pre-norm with p > 0: the residual output shows the mask (zero or x / (1 - p)), the norm output is
