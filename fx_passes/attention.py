@@ -438,7 +438,8 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     name = op_name(node)
     if name in _SCORE_MATMULS:
         return True
-    if name in _RESHAPES:
+    if name in _RESHAPES or node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        # an augmented assignment left in place (on a view) is reported by the walk, not ignored
         return _reaches_matmul(node.args[0], depth - 1, seen)
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
         return any(_reaches_matmul(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
@@ -658,6 +659,9 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             cand.masks.stages[cond] = _shape(scores)
             consumer, x = x, scores
             continue
+        if x.op == "call_function" and x.target in _INPLACE_OPERATORS:
+            raise _Skip(f"'{x.name}' updates the scores in place ({x.target.__name__}) on a view or a tensor "
+                        "read elsewhere; only in-place updates of a freshly computed tensor are taken")
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
     # A scale applied after an additive mask would scale the mask too: not the op's function.
     seen_add = seen_mask = False

@@ -409,6 +409,13 @@ def _scale_after_bias(q, k, v, bias):
     return torch.softmax((q @ k.transpose(-2, -1) + bias) * 0.25, dim=-1) @ v
 
 
+def _inplace_add_on_a_view(q, k, v, m):
+    B, H, S, D = q.shape
+    s = torch.bmm(q.reshape(B * H, S, D), k.reshape(B * H, S, D).transpose(1, 2)).view(B, H, S, S)
+    s += m  # mutates bmm's output through the view: not made functional
+    return torch.softmax(s, -1) @ v
+
+
 def _downcast(q, k, v):
     s = (q @ k.transpose(-2, -1)).to(torch.bfloat16)
     return torch.softmax(s, -1).float() @ v
@@ -424,6 +431,7 @@ NEAR_MISSES = [
     (_learned_scale, "not a compile-time constant"),
     (_scale_after_bias, "scaled after an additive mask"),
     (_downcast, "less precise"),
+    (_inplace_add_on_a_view, "updates the scores in place"),
 ]
 
 
@@ -434,6 +442,7 @@ def test_near_misses_are_left_alone_and_reported(fn, reason):
         "_learned_scale": (torch.tensor(0.3, requires_grad=True),),
         "_scale_after_bias": (torch.randn(4, 4, 12, 12),),
         "_mask_too_big": (torch.randn(3, 4, 4, 12, 12),),
+        "_inplace_add_on_a_view": (torch.randn(4, 1, 1, 12),),
     }.get(fn.__name__, ())
     torch._dynamo.reset()
     counters.clear()
