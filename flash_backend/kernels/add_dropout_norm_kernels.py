@@ -187,10 +187,18 @@ def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, st
     else:
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
     if HAS_WEIGHT:
-        wdy = dy * tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+        wdy = _rounded(mask, dy * tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32))
     else:
         wdy = dy
     return dy, xhat, wdy
+
+
+@triton.jit
+def _rounded(mask, product):
+    """product, rounded to fp32 before any later use. Without the select, the compiler may contract
+    `w * dy - mean(w * dy)` into one FMA that subtracts the *rounded* mean from the *unrounded* product: for
+    an N = 1 LayerNorm, where the two are equal and rstd = 1/sqrt(eps), that leaves ulp * 316 in dx."""
+    return tl.where(mask, product, 0.0)
 
 
 @triton.jit
@@ -320,7 +328,7 @@ def _add_dropout_norm_bwd_kernel(
                 xhat = h * rstd
             else:
                 xhat = tl.where(mask, (h - mean) * rstd, 0.0)
-            wdy = dy * w.to(tl.float32) if HAS_WEIGHT else dy
+            wdy = _rounded(mask, dy * w.to(tl.float32)) if HAS_WEIGHT else dy
             if HAS_WEIGHT:
                 dw += tl.sum(dy * xhat, axis=0)
             if HAS_BIAS:

@@ -41,13 +41,17 @@ def head_dim_bucket(d: int) -> int:
     return 64 if d <= 64 else (128 if d <= 128 else 256)
 
 
-def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=None):
+def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=None, has_dropout: bool = False):
     if override:
         return override
     block_m, block_n, num_warps, num_stages = FWD_CONFIGS[(head_dim_bucket(head_dim), causal)]
     if has_mask:  # mask tiles are pipelined too: keep shared memory under the 227 KiB of an H100/H200
         block_n, num_stages = min(block_n, 64), min(num_stages, 2)
         block_m = 64 if head_dim > 128 else block_m
+    if has_dropout and head_dim > 64:
+        # The keep tile is rebuilt from [BLOCK_M, BLOCK_N / 8] Philox words through a shared-memory layout
+        # conversion; at D=128 with 3 stages of K/V that needed 240 KiB (H200: "out of resource").
+        num_stages = min(num_stages, 2)
     return block_m, block_n, num_warps, num_stages
 
 
@@ -452,7 +456,8 @@ def _launch(
     launch,
 ):
     D = q.shape[-1]
-    block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, attn_mask is not None, config)
+    block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, attn_mask is not None, config,
+                                                         has_dropout=dropout_p > 0.0)
     if dropout_p > 0.0 and block_n % DROPOUT_KEYS_PER_CALL:
         raise ValueError(
             f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEYS_PER_CALL} with "
