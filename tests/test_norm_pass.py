@@ -525,7 +525,9 @@ def test_mixed_dtype_residual_promotes_like_eager():
         h = F.dropout(x, 0.0) + r
         return F.layer_norm(h, (N,), m.weight, m.bias), h
 
-    _check_rewrite(Fn(fn), (_x(3, N, dtype=torch.bfloat16), _x(3, N)), text="pre-norm")
+    # x's gradient is bf16: eager and the op round slightly different fp32 values to it, which may land
+    # one bf16 ulp (up to 2**-7 relative) apart; gradients are checked at 10x the rtol given, 2e-2.
+    _check_rewrite(Fn(fn), (_x(3, N, dtype=torch.bfloat16), _x(3, N)), text="pre-norm", rtol=2e-3)
 
 
 @pytest.mark.parametrize("block", [GPT2Block, LlamaBlock])
