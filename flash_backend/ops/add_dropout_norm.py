@@ -39,7 +39,7 @@ _MIN_BLOCK_N = 16
 # Forward launch shape: the one that passed the H200 tests and produced bench/results/layer_norm.json.
 _MAX_FUSED_N_FWD = 16384
 _FWD_ELEMS_PER_THREAD = 16  # elements of a row per thread
-_MAX_FUSED_N_BWD = 8192  # the shipped backward's widest row in registers (every _BWD_CONFIGS entry today)
+_MAX_FUSED_N_BWD = 8192  # widest backward row in registers unless a _BWD_CONFIGS entry says otherwise
 
 
 class BwdConfig(NamedTuple):
@@ -54,11 +54,22 @@ class BwdConfig(NamedTuple):
 
 _BWD_SHIPPED = BwdConfig(8, 32)
 # Backward launch shapes per (largest next_power_of_2(N) of the bucket, is_rms_norm), first bucket that
-# holds N wins. All are the shape that passed the H200 tests; `bench_layer_norm.py --sweep-bwd` times the
-# candidates (bench/NOTES_layer_norm.md has an earlier sweep: 16 elements per thread, LayerNorm 16
-# warps/SM, RMSNorm fused to 16384 columns were faster but not yet validated).
+# holds N wins: the best of `bench_layer_norm.py --sweep-bwd` on the H200 (M=16384, bf16, dropout +
+# residual; bench/logs/sweep_bwd_h200.log, commit 8689faa). Gains over the earlier single shape (8, 32)
+# are 0-6%, except RMSNorm at 16384 columns kept in registers (1.49x). Rows wider than 16384 keep it.
 _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
-    (bucket, rms): _BWD_SHIPPED for bucket in (1024, 2048, 4096, 8192, 16384, MAX_N) for rms in (False, True)
+    (1024, False): BwdConfig(16, 16),  # best at 768; 1.00x of the best at 1024
+    (1024, True): BwdConfig(8, 32),
+    (2048, False): BwdConfig(8, 16, rows_per_iter=2),
+    (2048, True): BwdConfig(8, 16, rows_per_iter=2),
+    (4096, False): BwdConfig(16, 16),
+    (4096, True): BwdConfig(8, 32),
+    (8192, False): BwdConfig(8, 32),
+    (8192, True): BwdConfig(16, 16, rows_per_iter=2),
+    (16384, False): BwdConfig(32, 16, max_fused=16384),
+    (16384, True): BwdConfig(16, 32, max_fused=16384),
+    (MAX_N, False): _BWD_SHIPPED,
+    (MAX_N, True): _BWD_SHIPPED,
 }
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
