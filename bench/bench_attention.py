@@ -45,6 +45,9 @@ GRID = [
     (1, 16, 16, 16384, 256, True, None),
     (4, 32, 8, 4096, 128, True, None),
     (8, 16, 16, 2048, 64, False, "padding"),
+    # the attention of bench_e2e's ViT-base (197 tokens) and BERT-base (padding mask) steps
+    (64, 12, 12, 197, 64, False, None),
+    (32, 12, 12, 512, 64, False, "padding"),
 ]
 FLEX_ROWS = {(8, 16, 2048, 64), (4, 16, 4096, 128)}
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
