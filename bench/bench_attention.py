@@ -142,6 +142,7 @@ def run_grid(args):
                           f"{ours / sdpa_best:.2f}" if ours and sdpa_best else "-"])
         del q, k, v, mask
         torch.cuda.empty_cache()
+        res.write()  # rows so far: a run cut short by a time limit still leaves them
     path = res.write()
     print(f"\nwrote {path}\n")
     header = ["B,Hq/Hkv,S,D", "causal", "mode", "ours TF/s", "cudnn", "fa2", "flex", "x cudnn", "x fa2",
