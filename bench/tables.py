@@ -130,7 +130,7 @@ def e2e() -> str:
     rows = []
     for (model, attn, batch, seq), impls in _grouped(data, key).items():
         ind = impls.get("inductor")
-        for name in ("eager", "inductor", "flash"):
+        for name in ("eager", "inductor", "flash", "flash_route_sdpa"):
             r = impls.get(name)
             if r is None or "throughput" not in r:
                 continue
@@ -144,7 +144,28 @@ def e2e() -> str:
     return _stamp(data) + "\n\n" + _table(header, rows)
 
 
-TABLES = {"layer_norm": layer_norm, "attention": attention, "dense": dense, "e2e": e2e}
+def attention_dropout() -> str:
+    data = _load("attention_dropout")
+
+    def key(r):
+        c = r["case"]
+        return (c["B"], c["Hq"], c["S"], c["D"], c["causal"], r["mode"])
+
+    rows = []
+    for (b, h, s, d, causal, mode), impls in _grouped(data, key).items():
+        ours = impls.get("ours")
+        best = max((impls[n]["tflops"] for n in ("cudnn", "fa2", "efficient") if n in impls), default=None)
+        rows.append([f"{b},{h},{s},{d}", "yes" if causal else "no", mode, ours["tflops"] if ours else None,
+                     impls["ours_p0"]["tflops"] if "ours_p0" in impls else None,
+                     *(impls[n]["tflops"] if n in impls else None for n in ("cudnn", "fa2", "efficient")),
+                     ours["tflops"] / best if ours and best else None])
+    header = ["B,H,S,D", "causal", "mode", "ours p=0.1 TF/s", "ours p=0", "cuDNN p=0.1", "FA2 p=0.1",
+              "efficient p=0.1", "x best SDPA"]
+    return _stamp(data) + "\n\n" + _table(header, rows)
+
+
+TABLES = {"layer_norm": layer_norm, "attention": attention, "attention_dropout": attention_dropout,
+          "dense": dense, "e2e": e2e}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):
