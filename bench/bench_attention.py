@@ -81,6 +81,20 @@ def _time(fn, q, k, v, mode):
     return bench_ms(fwd_bwd)
 
 
+def _time_impls(impls, q, k, v, mode, flops, case, res, row):
+    """Time every impl in one mode; TF/s into row[(name, mode)] and res. A backend that refuses the case
+    (mask, head_dim, GQA, dropout) is reported and left out."""
+    mode_flops = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+    for name, fn in impls.items():
+        try:
+            ms = _time(fn, q, k, v, mode)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name} {mode} {case}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        row[(name, mode)] = mode_flops / ms / 1e9
+        res.add(name, mode, case, ms, tflops=row[(name, mode)])
+
+
 def _sdpa(backend, q, k, v, mask, causal, gqa):
     with sdpa_kernel([backend]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
@@ -115,16 +129,7 @@ def run_grid(args):
             impls["flex"] = _flex_fn(q, k, v, causal)
         row = {}
         for mode in ("fwd", "fwd+bwd"):
-            mode_flops = flops * (3.5 if mode == "fwd+bwd" else 1.0)
-            for name, fn in impls.items():
-                try:
-                    ms = _time(fn, q, k, v, mode)
-                except Exception as e:  # a backend that refuses this case (mask, head_dim, GQA)
-                    print(f"  {name} {mode} {case}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                    continue
-                tflops = mode_flops / ms / 1e9
-                res.add(name, mode, case, ms, tflops=tflops)
-                row[(name, mode)] = tflops
+            _time_impls(impls, q, k, v, mode, flops, case, res, row)
             got = ", ".join(f"{n}={row.get((n, mode), float('nan')):.0f}" for n in impls)
             print(f"{case} {mode}: {got}", flush=True)
         label = f"{B},{Hq}/{Hkv},{S},{D}" + (",pad" if mask_kind else "")
@@ -238,15 +243,7 @@ def run_dropout(args):
             impls[name] = functools.partial(_sdpa_dropout, backend, q, k, v, causal)
         row = {}
         for mode in ("fwd", "fwd+bwd"):
-            mode_flops = flops * (3.5 if mode == "fwd+bwd" else 1.0)
-            for name, fn in impls.items():
-                try:
-                    ms = _time(fn, q, k, v, mode)
-                except Exception as e:  # a backend without dropout support here
-                    print(f"  {name} {mode} {case}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                    continue
-                row[(name, mode)] = mode_flops / ms / 1e9
-                res.add(name, mode, case, ms, tflops=row[(name, mode)])
+            _time_impls(impls, q, k, v, mode, flops, case, res, row)
             ours = row.get(("ours", mode))
             best = max((row[(n, mode)] for n in SDPA_BACKENDS if (n, mode) in row), default=None)
             table.append([f"{B},{H},{S},{D}", "yes" if causal else "no", mode, ours,
