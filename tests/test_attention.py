@@ -9,6 +9,7 @@ from torch.library import opcheck
 
 import flash_backend  # noqa: F401
 from flash_backend.ops.attention import (
+    DROPOUT_PHILOX_ROUNDS,
     attention_backward_reference,
     attention_reference,
     attention_varlen_backward_reference,
@@ -112,6 +113,9 @@ def test_philox_matches_random123_known_answer():
     # Random123's kat_vectors, philox4x32 10 rounds, counter 0 and key 0: pins the word order too
     words = philox_4x32(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
     assert [int(w) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    # ...and philox4x32 7 rounds, the attention dropout's (DROPOUT_PHILOX_ROUNDS)
+    words = philox_4x32(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), rounds=DROPOUT_PHILOX_ROUNDS)
+    assert [int(w) for w in words] == [0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48]
 
 
 def test_dropout_statistics_and_reproducibility():
@@ -316,14 +320,14 @@ def test_kernels_under_interpreter(interpreter, case):
     seed = torch.randint(0, 2**62, (1,)) if c["p"] else None
     args = (mask, seed, c["p"], 0.3, c["wl"], c["wr"], c["br"])
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
-    attention_forward_launch(q, k, v, *args, out, lse, config=(32, 16, 4, 2))
+    attention_forward_launch(q, k, v, *args, out, lse, config=(32, 32, 4, 2))
     ref_out, ref_lse = attention_reference(q, k, v, *args)
     torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     dout = torch.randn_like(q)
     grads = [torch.empty_like(t) for t in (q, k, v)] + [torch.empty_like(mask) if c["bias"] else None]
     attention_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
-                              config=((16, 32, 4, 2), (32, 16, 4, 2)))
+                              config=((16, 32, 4, 2), (32, 32, 4, 2)))
     ref = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, *args, compute_dbias=c["bias"])
     for got, want in zip(grads, ref, strict=True):
         if want is not None:
@@ -366,10 +370,10 @@ def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd
 
 @pytest.mark.interpret
 def test_kernels_drop_the_reference_elements_under_interpreter(interpreter):
-    # Sk = 45: ceil(Sk / 8) = 6 Philox calls per query row, the last one half past the end; key blocks of
-    # 16 (forward, dQ) and 32 (dK/dV), the latter partial; GQA: the dK/dV kernel walks both q heads.
-    want, *got = _kernel_dropout_masks(2, 2, 1, 37, 45, 48, 0.3, "cpu", fwd_config=(32, 16, 4, 2),
-                                       bwd_config=((16, 32, 4, 2), (32, 16, 4, 2)))
+    # Sk = 45: 4 * ceil(Sk / 32) = 8 Philox calls per query row, keys 32..44 a partial 32-key span; key
+    # blocks of 32 in all three kernels, the second one partial; GQA: the dK/dV kernel walks both q heads.
+    want, *got = _kernel_dropout_masks(2, 2, 1, 37, 45, 48, 0.3, "cpu", fwd_config=(32, 32, 4, 2),
+                                       bwd_config=((16, 32, 4, 2), (32, 32, 4, 2)))
     assert abs(want.float().mean().item() - 0.7) < 0.05
     for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
         assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
@@ -392,13 +396,13 @@ def test_varlen_kernels_dropout_under_interpreter(interpreter):
     seed = torch.randint(0, 2**62, (1,))
     args = (cu_q, cu_k, max(lens_q), max(lens_k), seed, 0.3, 0.5, -1, -1, False)
     out, lse = torch.empty_like(q), torch.empty(2, sum(lens_q))
-    attention_varlen_forward_launch(q, k, v, *args, out, lse, config=(32, 16, 4, 2))
+    attention_varlen_forward_launch(q, k, v, *args, out, lse, config=(32, 32, 4, 2))
     ref_out, ref_lse = attention_varlen_reference(q, k, v, *args[:2], *args[4:])
     torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-3, rtol=0)
     dout = (1 + torch.rand_like(q, dtype=torch.float32)).half()
     grads = [torch.empty_like(t) for t in (q, k, v)]
     attention_varlen_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
-                                     config=((16, 32, 4, 2), (32, 16, 4, 2)))
+                                     config=((16, 32, 4, 2), (32, 32, 4, 2)))
     ref = attention_varlen_backward_reference(dout, q, k, v, ref_out, ref_lse, *args[:2], *args[4:])
     for got, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)

@@ -89,3 +89,29 @@ def test_cuda_norm_fast_path_equals_op(monkeypatch):
     _same_both_paths(monkeypatch, lambda x, r, w, b: add_dropout_norm(x, r, w, b, dropout_p=0.1,
                                                                       return_residual=True), [x, r, w, b])
     _same_both_paths(monkeypatch, lambda x, w: add_dropout_norm(x, None, w, is_rms_norm=True), [x, w])
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("used", ["out", "residual_out", "both"])
+def test_norm_fast_path_grads_when_an_output_is_unused(monkeypatch, used):
+    # The fast path's Function does not materialise zero grads for unused outputs (set_materialize_grads):
+    # its backward must still give what the registered op's autograd gives with zero-filled ones.
+    import flash_backend.ops.add_dropout_norm as adn
+
+    x, r = torch.randn(5, 40, requires_grad=True), torch.randn(5, 40, requires_grad=True)
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    g_out, g_res = torch.randn(5, 40), torch.randn(5, 40)
+    results = []
+    for direct in (True, False):
+        monkeypatch.setattr(adn, "direct_call_ok", lambda *t, direct=direct: direct)
+        out, h = add_dropout_norm(x, r, w, b, dropout_p=0.0, return_residual=True)
+        loss = {"out": (out * g_out).sum(), "residual_out": (h * g_res).sum(),
+                "both": (out * g_out).sum() + (h * g_res).sum()}[used]
+        results.append(torch.autograd.grad(loss, (x, r, w, b), allow_unused=True))
+    for fast, op in zip(*results, strict=True):
+        if op is None or fast is None:
+            assert fast is None or not fast.any()
+            assert op is None or not op.any()
+        else:
+            torch.testing.assert_close(fast, op, atol=1e-5, rtol=1e-5)

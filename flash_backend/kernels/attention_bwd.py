@@ -19,7 +19,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, head_dim_bucket
-from flash_backend.ops.attention import DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
+from flash_backend.ops.attention import DROPOUT_KEY_SPAN, DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
 
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
@@ -95,7 +95,7 @@ def _dkdv_inner(
     offs_m,
     offs_n,
     offs_d,
-    n0,  # first key of offs_n: a multiple of BLOCK_N, hence of 8, as _dropout_keep needs
+    n0,  # first key of offs_n: a multiple of BLOCK_N, hence of 32, as _dropout_keep needs
     lo,
     hi,
     seqlen_q,
@@ -935,10 +935,10 @@ def _launch_backward(
     block_d = max(triton.next_power_of_2(D), 16)
     bucket = head_dim_bucket(D)
     dkdv_cfg, dq_cfg = config or (DKDV_CONFIGS[bucket], DQ_CONFIGS[bucket])
-    if dropout_p > 0.0 and (dkdv_cfg[1] % DROPOUT_KEYS_PER_CALL or dq_cfg[1] % DROPOUT_KEYS_PER_CALL):
+    if dropout_p > 0.0 and (dkdv_cfg[1] % DROPOUT_KEY_SPAN or dq_cfg[1] % DROPOUT_KEY_SPAN):
         raise ValueError(
-            f"attention backward: BLOCK_N must be a multiple of {DROPOUT_KEYS_PER_CALL} with "
-            f"dropout (one Philox call per {DROPOUT_KEYS_PER_CALL} keys), got {dkdv_cfg[1]} "
+            f"attention backward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
+            f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {dkdv_cfg[1]} "
             f"(dK/dV) and {dq_cfg[1]} (dQ)"
         )
     varlen = cu_q is not None

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.ops.attention import DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
+from flash_backend.ops.attention import DROPOUT_KEY_SPAN, DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -60,22 +60,26 @@ def _dropout_keep(
     seed, offs_m, col_start, seqlen_k, bh, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """[BLOCK_M, BLOCK_N] keep-mask of queries offs_m and keys col_start + arange(BLOCK_N), as the
-    reference's dropout_keep: philox(seed, (i * cdiv(Sk, 8) + j // 8, b * H + h, 0, 0)), key j taking the
-    16-bit half (j % 2) of word (j % 8) // 2. col_start must be a multiple of 8: every caller passes a
-    multiple of BLOCK_N."""
-    tl.static_assert(
-        BLOCK_N % 8 == 0, "dropout draws 8 keys per Philox call: BLOCK_N must be a multiple of 8"
-    )
-    groups = col_start // 8 + tl.arange(0, BLOCK_N // 8)
-    c0 = (offs_m[:, None] * tl.cdiv(seqlen_k, 8) + groups[None, :]).to(tl.uint32)
+    reference's dropout_keep (ops/attention.py, Conventions): key j = 32a + 8b + 2c + e takes half e of
+    word b of Philox call 4a + c of its row. col_start must be a multiple of 32: callers pass a multiple of
+    BLOCK_N, itself a multiple of 32.
+
+    The reshape/permute below only renames which register holds which key: in a wgmma score tile a
+    thread holds keys 2c + {0, 1} of every 8-key block, i.e. the 8 keys of its calls, so the compiler
+    keeps the Philox words in the score tile's own layout (sm_90 TTGIR: no convert_layout beyond the
+    no-dropout kernel's in the forward and dQ kernels)."""
+    tl.static_assert(BLOCK_N % 32 == 0, "dropout spreads a Philox call over 32 keys: BLOCK_N % 32 == 0")
+    SPANS: tl.constexpr = BLOCK_N // 32
+    calls = tl.reshape((col_start // 32 + tl.arange(0, SPANS))[:, None] * 4 + tl.arange(0, 4)[None, :],
+                       (BLOCK_N // 8,))
+    c0 = (offs_m[:, None] * (tl.cdiv(seqlen_k, 32) * 4) + calls[None, :]).to(tl.uint32)
     zero = tl.zeros_like(c0)
-    # 10 rounds (Triton's default): Random123 (Salmon et al., SC'11) recommend 10 for Philox4x32, 7 being the
-    # fewest that passed BigCrush; fewer rounds would save at most ~30% of the RNG work and spend that margin.
-    r0, r1, r2, r3 = tl.random.philox(seed, c0, zero + bh, zero, zero, n_rounds=10)
-    # join appends a minor axis, so the outer join picks the finest position: this orders the words
-    # r0, r1, r2, r3 within a group, then each word's low and high half (as add_dropout_norm's kernels).
-    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N // 2))
-    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (BLOCK_M, BLOCK_N))
+    # 7 rounds: DROPOUT_PHILOX_ROUNDS of the reference (a literal: n_rounds must be a compile-time constant).
+    r0, r1, r2, r3 = tl.random.philox(seed, c0, zero + bh, zero, zero, n_rounds=7)
+    # join appends a minor axis: [m, call, i, o] holds word 2i + o, so the flattened minor axis is b.
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, SPANS, 4, 4))  # [m, a, c, b]
+    halves = tl.join(words & 0xFFFF, words >> 16)  # [m, a, c, b, e]
+    halves = tl.reshape(tl.permute(halves, (0, 1, 3, 2, 4)), (BLOCK_M, BLOCK_N))  # key 32a + 8b + 2c + e
     return halves.to(tl.int32) >= threshold  # halves < 2**16: the cast keeps the value
 
 
@@ -458,10 +462,10 @@ def _launch(
     D = q.shape[-1]
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, attn_mask is not None, config,
                                                          has_dropout=dropout_p > 0.0)
-    if dropout_p > 0.0 and block_n % DROPOUT_KEYS_PER_CALL:
+    if dropout_p > 0.0 and block_n % DROPOUT_KEY_SPAN:
         raise ValueError(
-            f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEYS_PER_CALL} with "
-            f"dropout (one Philox call per {DROPOUT_KEYS_PER_CALL} keys), got {block_n}"
+            f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
+            f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_n}"
         )
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)

@@ -475,10 +475,17 @@ class _DirectAddDropoutNorm(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = add_dropout_norm_fwd_launch(*inputs, launch=plain_launch)
         _setup_context(ctx, inputs, output)
+        # Unused outputs (mean, rstd, often the pre-norm sum) get None instead of zero-filled grads: each
+        # fill is a kernel launch and host time that the GPU waits for in a small eager step.
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, dresidual_out, dmean, drstd):
+        if dout is None:
+            if dresidual_out is None or not ctx.h_is_returned:  # nothing reaches the loss
+                return (None,) * 10
+            dout = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=dresidual_out.device)
         return _backward_with(ctx, dout, dresidual_out,
                               functools.partial(add_dropout_norm_bwd_launch, launch=plain_launch))
 
