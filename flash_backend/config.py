@@ -4,10 +4,13 @@ On CUDA a rewrite pays only where our kernel beats the kernel it replaces. Two d
 bench/results/*.json), so by default they are left alone and reported as near misses:
 
 - ``F.scaled_dot_product_attention`` calls already run a fused kernel (cuDNN on the H200). Our
-  flash_attention reaches 0.53-0.95x of cuDNN (attention.json, commit 2f44f6e). Routing SDPA calls to it
-  measured (e2e.json, commit ebc142f): ViT-base 1.44x Inductor (1.02x without), but GPT-2 0.98x and
-  BERT 0.94x (1.02x / 0.98x without). Until a per-shape rule is measured, the default keeps SDPA's
-  kernels. Hand-written attention is still rewritten: there the alternative is the unfused
+  flash_attention reaches 0.53-0.95x of cuDNN (attention.json, commit 2f44f6e). Routing every SDPA call
+  to it measured (e2e.json, commit ebc142f): ViT-base 1.44x Inductor (1.02x without), but GPT-2 0.98x
+  and BERT 0.94x (1.02x / 0.98x without). What ViT showed: under torch.compile SDPA picks its backend on
+  fake tensors, and for ViT's call it picked the unfused math path (fp32, S x S scores in memory) where
+  eager picks cuDNN. So by default a call is routed exactly when SDPA, asked on the traced inputs as
+  Inductor asks, would run math (fx_passes/attention.py, _sdpa_backend_when_traced); the switch routes
+  every call. Hand-written attention is always rewritten: there the alternative is the unfused
   matmul-softmax-matmul (GPT-2 eager attention: 1.28x Inductor).
 - Linear + bias + GELU in a graph that needs its backward: the cuBLASLt-epilogue op's forward+backward
   measured 0.62-1.35x Inductor, below 1.0x at 9 of 12 shapes (dense.json). Its forward alone measured

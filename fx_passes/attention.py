@@ -1195,6 +1195,32 @@ def _erase_dead(graph: Graph, roots):
         pending.extend(inputs)
 
 
+def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The backend SDPA picks for these example (fake) inputs, as it does when Inductor traces the call;
+    None when that cannot be asked (non-constant arguments, a build without the device's kernels).
+
+    Why ask: under torch.compile the choice is made on fake tensors, and there it can differ from eager.
+    On the H200 (torch 2.11), ViT-base's SDPA call (64, 12, 197, 64) picks cuDNN on real tensors but the
+    unfused math path on fake ones (scratch probe, session 3), which upcasts to fp32 and materialises
+    the S x S scores: Inductor's ViT step then ran slower than eager. Routing exactly those calls to
+    flash_attention cannot lose to the math path they replace (e2e.json: ViT 1.44x Inductor routed)."""
+    args = [val(n) for n in (q, k, v, attn_mask, dropout_p, scale)]
+    if not all(isinstance(t, torch.Tensor) for t in args[:3]) or not isinstance(is_causal, bool):
+        return None
+    if args[3] is not None and not isinstance(args[3], torch.Tensor):
+        return None
+    if not is_number(args[4]) or not (args[5] is None or is_number(args[5])):
+        return None
+    try:
+        choice = torch._fused_sdp_choice(*args[:3], args[3], float(args[4]), is_causal,
+                                         scale=None if args[5] is None else float(args[5]),
+                                         enable_gqa=bool(enable_gqa))
+        return torch.nn.attention.SDPBackend(choice)
+    except Exception as exc:  # e.g. no CUDA kernels in this build: treat as "fused", the safe default
+        log.debug("flash_backend: could not ask SDPA for its backend choice: %s", exc)
+        return None
+
+
 def _rewrite_sdpa(graph: Graph, node: Node):
     q, k, v = (arg(node, i, n) for i, n in ((0, "query"), (1, "key"), (2, "value")))
     attn_mask = arg(node, 3, "attn_mask")
@@ -1204,11 +1230,16 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     enable_gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
     if not all(isinstance(t, Node) and tensor_meta(t) is not None for t in (q, k, v)):
         raise _Skip("q, k, v are not tensors")
+    variant = "scaled_dot_product_attention"
     if tensor_meta(q).device.type == "cuda" and not flash_config.route_sdpa_calls_on_cuda:
-        raise _Skip(
-            "SDPA already runs a fused CUDA kernel that flash_attention does not beat yet "
-            "(see flash_backend/config.py; set route_sdpa_calls_on_cuda=True to route it)"
-        )
+        backend = _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if backend is None or backend != torch.nn.attention.SDPBackend.MATH:
+            raise _Skip(
+                f"SDPA runs a fused CUDA kernel here ({backend.name if backend is not None else 'unknown'}) "
+                "that flash_attention does not beat yet (see flash_backend/config.py; set "
+                "route_sdpa_calls_on_cuda=True to route it)"
+            )
+        variant = "scaled_dot_product_attention (traced, SDPA would pick its unfused math path)"
     symbolic_p = isinstance(dropout_p, Node) and isinstance(val(dropout_p), (float, torch.SymFloat))
     if (
         not (is_number(dropout_p) or symbolic_p)
@@ -1271,7 +1302,7 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         out = insert_call(graph, torch.squeeze, (out, 0), like=node)
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
-    record_rewrite(FAMILY, "scaled_dot_product_attention", "flash_attention", out)
+    record_rewrite(FAMILY, variant, "flash_attention", out)
 
 
 _INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add", "sub_": "sub"}

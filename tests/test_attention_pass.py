@@ -833,6 +833,39 @@ def test_sdpa_calls_on_cuda_stay_with_pytorch_by_default():
     assert "route_sdpa_calls_on_cuda" in report.near_misses[0].detail
 
 
+@pytest.mark.parametrize("choice", ["MATH", "CUDNN_ATTENTION", "FLASH_ATTENTION", "error"])
+def test_sdpa_calls_on_cuda_routed_where_sdpa_would_run_math(monkeypatch, choice):
+    """By default an SDPA call on CUDA is routed only where SDPA, asked on the traced (fake) inputs as
+    Inductor asks, would pick its unfused math path; any other answer, or none, keeps SDPA."""
+    from torch.nn.attention import SDPBackend
+
+    from fx_passes import attention as attention_pass
+    from fx_passes._report import collecting
+
+    asked = []
+
+    def fake_choice(q, k, v, mask, dropout_p, is_causal, scale=None, enable_gqa=False):
+        asked.append((q.device.type, tuple(q.shape), mask, dropout_p, is_causal, scale, enable_gqa))
+        if choice == "error":
+            raise RuntimeError("no CUDA kernels in this build")
+        return getattr(SDPBackend, choice).value
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", fake_choice)
+    graph, sdpa = _sdpa_graph_on_fake_cuda()
+    with collecting() as report:
+        attention_pass.rewrite(graph)
+    assert asked == [("cuda", (2, 4, 64, 32), None, 0.0, True, None, False)]
+    routed = choice == "MATH"
+    assert (sdpa in graph.nodes) != routed
+    assert counters["flash"]["attention"] == int(routed)
+    assert counters["flash"]["attention_skipped"] == int(not routed)
+    if routed:
+        assert "math path" in report.rewrites[0].variant
+        assert any(n.target is flash_attention for n in graph.nodes)
+    else:
+        assert "route_sdpa_calls_on_cuda" in report.near_misses[0].detail
+
+
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e4, float("-inf")])
 def test_finite_fill_taken_as_minus_inf_is_reported(fill):
     """A finite fill differs from -inf only on rows with every key masked; the report must say so."""
