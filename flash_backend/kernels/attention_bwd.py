@@ -6,9 +6,12 @@ afterwards); dQ, one program per BLOCK_M queries, walking the visible key blocks
 P and dP in the dQ kernel (7 matmuls instead of 5) in exchange for no atomics and no fp32 dQ buffer.
 When the bias needs a gradient the dK/dV kernel also writes dS (fp32, full (B, H, Sq, Sk)), which is then
 summed over the bias's broadcast dims.
-Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one Philox call per 8 keys;
-the dK/dV kernel builds it on its (queries, keys) tile and transposes it) and the same host-computed
-threshold and 1 / P(keep) scale, so the gradients see exactly the forward's dropped elements.
+Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one Philox call per 8 keys)
+and the same host-computed threshold and 1 / P(keep) scale, so the gradients see exactly the forward's
+dropped elements. The keep tile is cheap only in the (queries, keys) orientation, so with dropout the
+dK/dV kernel computes its tiles in that orientation and transposes P and dS into the dots instead
+(_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask or a bias
+gradient it stays keys-major and transposes the keep tile.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, head_dim_bucket
-from flash_backend.ops.attention import DROPOUT_KEY_SPAN, DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
+from flash_backend.ops.attention import (
+    DROPOUT_KEY_SPAN,
+    DROPOUT_KEYS_PER_CALL,
+    dropout_scale,
+    dropout_threshold,
+)
 
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
@@ -72,6 +80,37 @@ def _attention_bwd_preprocess_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * SEQ_Q + offs_m, delta, mask=offs_m < SEQ_Q)
+
+
+@triton.jit
+def _dkdv_tile_queries_major(
+    dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left, window_right,
+    qk_scale, dropout_threshold, dropout_scale, bh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOUNDARY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """One (queries, keys) tile of dK/dV with dropout, computed in the forward's orientation.
+
+    The keep tile is built in registers only in the (queries, keys) wgmma layout (see _dropout_keep); the
+    keys-major loop needed it transposed, a shared-memory conversion of the Philox words per tile. Here
+    P and dS are transposed instead, as the A operands of their two dots (FlashAttention-3 does the same)."""
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if BOUNDARY:
+        rel = offs_n[None, :] - (rows[:, None] + diag)
+        visible = offs_n[None, :] < seqlen_k
+        if HAS_RIGHT:
+            visible = visible & (rel <= window_right)
+        if HAS_LEFT:
+            visible = visible & (rel >= -window_left)
+        qk = tl.where(visible, qk, float("-inf"))
+    p = tl.math.exp2(qk - lse[:, None] * 1.4426950408889634)
+    dp = tl.dot(do, tl.trans(v))
+    keep = _dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
+    pd = tl.where(keep, p * dropout_scale, 0.0)
+    dp = tl.where(keep, dp * dropout_scale, 0.0)
+    dv += tl.dot(tl.trans(pd.to(do.dtype)), do)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
 
 
 @triton.jit
@@ -135,47 +174,55 @@ def _dkdv_inner(
         else:
             lse = tl.load(lse_ptrs + rows * stride_lm)
             delta = tl.load(delta_ptrs + rows)
-        # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
-        qkT = tl.dot(k, tl.trans(q)) * qk_scale
-        if HAS_MASK:
-            if BOUNDARY:
-                bias = tl.load(
-                    mask_ptrs + start_m * stride_mm,
-                    mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
-                    other=0,
-                )
-            else:
-                bias = tl.load(mask_ptrs + start_m * stride_mm)
-            if MASK_IS_BOOL:
-                qkT = tl.where(bias, qkT, float("-inf"))
-            else:
-                qkT = qkT + bias.to(tl.float32) * 1.4426950408889634
-        if BOUNDARY:
-            rel = offs_n[:, None] - (rows[None, :] + diag)
-            visible = offs_n[:, None] < seqlen_k
-            if HAS_RIGHT:
-                visible = visible & (rel <= window_right)
-            if HAS_LEFT:
-                visible = visible & (rel >= -window_left)
-            qkT = tl.where(visible, qkT, float("-inf"))
-        pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
-        dpT = tl.dot(v, tl.trans(do))
-        if HAS_DROPOUT:
-            # the (queries, keys) tile the forward draws, transposed: the same bits land on the same (i, j)
-            keepT = tl.trans(_dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N))
-            pdT = tl.where(keepT, pT * dropout_scale, 0.0)
-            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
-        else:
-            pdT = pT
-        dv += tl.dot(pdT.to(do.dtype), do)
-        dsT = pT * (dpT - delta[None, :])
-        if STORE_DBIAS:
-            tl.store(
-                ds_ptrs + start_m * stride_dsm,
-                dsT,
-                mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+        if HAS_DROPOUT and not HAS_MASK and not STORE_DBIAS:  # the mask paths stay keys-major (below)
+            dk, dv = _dkdv_tile_queries_major(
+                dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left,
+                window_right, qk_scale, dropout_threshold, dropout_scale, bh, BLOCK_M, BLOCK_N, BOUNDARY,
+                HAS_LEFT, HAS_RIGHT,
             )
-        dk += tl.dot(dsT.to(q.dtype), q)
+        else:
+            # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
+            qkT = tl.dot(k, tl.trans(q)) * qk_scale
+            if HAS_MASK:
+                if BOUNDARY:
+                    bias = tl.load(
+                        mask_ptrs + start_m * stride_mm,
+                        mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+                        other=0,
+                    )
+                else:
+                    bias = tl.load(mask_ptrs + start_m * stride_mm)
+                if MASK_IS_BOOL:
+                    qkT = tl.where(bias, qkT, float("-inf"))
+                else:
+                    qkT = qkT + bias.to(tl.float32) * 1.4426950408889634
+            if BOUNDARY:
+                rel = offs_n[:, None] - (rows[None, :] + diag)
+                visible = offs_n[:, None] < seqlen_k
+                if HAS_RIGHT:
+                    visible = visible & (rel <= window_right)
+                if HAS_LEFT:
+                    visible = visible & (rel >= -window_left)
+                qkT = tl.where(visible, qkT, float("-inf"))
+            pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
+            dpT = tl.dot(v, tl.trans(do))
+            if HAS_DROPOUT:
+                # the (queries, keys) tile the forward draws, transposed: the same bits on the same (i, j)
+                keep = _dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
+                keepT = tl.trans(keep)
+                pdT = tl.where(keepT, pT * dropout_scale, 0.0)
+                dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
+            else:
+                pdT = pT
+            dv += tl.dot(pdT.to(do.dtype), do)
+            dsT = pT * (dpT - delta[None, :])
+            if STORE_DBIAS:
+                tl.store(
+                    ds_ptrs + start_m * stride_dsm,
+                    dsT,
+                    mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+                )
+            dk += tl.dot(dsT.to(q.dtype), q)
     return dk, dv
 
 

@@ -21,7 +21,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.ops.attention import DROPOUT_KEY_SPAN, DROPOUT_KEYS_PER_CALL, dropout_scale, dropout_threshold
+from flash_backend.ops.attention import (
+    DROPOUT_KEY_SPAN,
+    DROPOUT_KEYS_PER_CALL,
+    dropout_scale,
+    dropout_threshold,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -71,7 +71,7 @@ def _mulhilo32(a: int, b: torch.Tensor):
 
 
 def philox_4x32(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, rounds: int = 10):
-    """Triton's philox(seed, c0, c1, 0, 0, n_rounds=rounds) (tl.random.philox): its 4 uint32 words, in int64."""
+    """Triton's tl.random.philox(seed, c0, c1, 0, 0, n_rounds=rounds): its 4 uint32 words, in int64."""
     seed = seed.reshape(()).to(torch.int64)
     k0 = seed & _M32
     k1 = (seed >> 32) & _M32
