@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, head_dim_bucket
+from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, _visible, head_dim_bucket
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -95,12 +95,8 @@ def _dkdv_tile_queries_major(
     P and dS are transposed instead, as the A operands of their two dots (FlashAttention-3 does the same)."""
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if BOUNDARY:
-        rel = offs_n[None, :] - (rows[:, None] + diag)
-        visible = offs_n[None, :] < seqlen_k
-        if HAS_RIGHT:
-            visible = visible & (rel <= window_right)
-        if HAS_LEFT:
-            visible = visible & (rel >= -window_left)
+        visible = _visible(rows[:, None], offs_n[None, :], seqlen_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
         qk = tl.where(visible, qk, float("-inf"))
     p = tl.math.exp2(qk - lse[:, None] * 1.4426950408889634)
     dp = tl.dot(do, tl.trans(v))
@@ -197,12 +193,8 @@ def _dkdv_inner(
                 else:
                     qkT = qkT + bias.to(tl.float32) * 1.4426950408889634
             if BOUNDARY:
-                rel = offs_n[:, None] - (rows[None, :] + diag)
-                visible = offs_n[:, None] < seqlen_k
-                if HAS_RIGHT:
-                    visible = visible & (rel <= window_right)
-                if HAS_LEFT:
-                    visible = visible & (rel >= -window_left)
+                visible = _visible(rows[None, :], offs_n[:, None], seqlen_k, diag, window_left, window_right,
+                                   HAS_LEFT, HAS_RIGHT)
                 qkT = tl.where(visible, qkT, float("-inf"))
             pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
             dpT = tl.dot(v, tl.trans(do))
@@ -626,12 +618,8 @@ def _dq_inner(
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
         if BOUNDARY:
-            visible = cols[None, :] < seqlen_k
-            rel = cols[None, :] - (offs_m[:, None] + diag)
-            if HAS_RIGHT:
-                visible = visible & (rel <= window_right)
-            if HAS_LEFT:
-                visible = visible & (rel >= -window_left)
+            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
+                               HAS_LEFT, HAS_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
         p = tl.math.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v))

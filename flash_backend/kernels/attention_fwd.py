@@ -89,6 +89,21 @@ def _dropout_keep(
 
 
 @triton.jit
+def _visible(queries, keys, seqlen_k, diag, window_left, window_right, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr):
+    """Which (query, key) pairs of a tile may attend (module Conventions): keys inside the sequence and
+    inside the window around query + diag. queries and keys are index tensors already shaped to broadcast
+    into the tile, in whichever orientation the caller's tile has."""
+    visible = keys < seqlen_k
+    rel = keys - (queries + diag)
+    if HAS_RIGHT:
+        visible = visible & (rel <= window_right)
+    if HAS_LEFT:
+        visible = visible & (rel >= -window_left)
+    return visible
+
+
+@triton.jit
 def _attention_fwd_inner(
     acc,
     l_i,
@@ -145,12 +160,8 @@ def _attention_fwd_inner(
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
         if BOUNDARY:
-            visible = cols[None, :] < seqlen_k
-            rel = cols[None, :] - (offs_m[:, None] + diag)
-            if HAS_RIGHT:
-                visible = visible & (rel <= window_right)
-            if HAS_LEFT:
-                visible = visible & (rel >= -window_left)
+            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
+                               HAS_LEFT, HAS_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
