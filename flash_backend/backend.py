@@ -20,9 +20,11 @@ log = logging.getLogger("flash_backend")
 
 def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                   options: dict | None = None):
+    from flash_backend import _ttir_memo
     from fx_passes import FlashGraphPass
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
 
+    _ttir_memo.install()  # Inductor re-generates our kernels' Triton IR per call site otherwise
     config_patches: dict = {}
     if mode is not None and mode != "default":
         config_patches.update(list_mode_options(mode))
