@@ -117,6 +117,12 @@ def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
     convert the tile between layouts through shared memory."""
     cands = [
         adn.bwd_config(n, is_rms_norm),
+        # The software-pipelined one-row loop (the next row's loads before this row's reductions): the
+        # registers of a second row, so fewer or narrower programs.
+        BwdConfig(8, 16, prefetch=True),
+        BwdConfig(16, 8, prefetch=True),
+        BwdConfig(16, 16, prefetch=True),
+        BwdConfig(8, 32, prefetch=True),
         BwdConfig(8, 16, 2),  # 2-row tile; ~120 registers at 16 warps: one program per SM at N=4096
         BwdConfig(16, 32, 1),  # RMSNorm's best in the earlier sweep (-12% at 4096, -20% at 8192)
         BwdConfig(16, 16, 1),  # LayerNorm's best in the earlier sweep (-5% at 4096)
@@ -138,7 +144,8 @@ def _effective_launch(n: int, cfg: BwdConfig) -> tuple:
     num_warps = adn._num_warps(block_n, cfg.elems_per_thread, 32)
     programs = adn._num_programs(torch.device("cuda"), M, num_warps, cfg.warps_per_sm)
     rows_per_iter = cfg.rows_per_iter if num_chunks == 1 else 1
-    return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages
+    prefetch = bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1
+    return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages, prefetch
 
 
 class _Capture:
@@ -203,7 +210,7 @@ def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[B
         if gms is None:
             continue
         k = capture.compiled
-        _, chunks, warps, programs, rows_per_iter, _ = key
+        _, chunks, warps, programs, rows_per_iter, _, _ = key
         bad = "  MISMATCH" if err > 2e-2 else ""
         print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} us={gms * 1e3:.1f} "
               f"TB/s={nbytes / gms / 1e9:.2f} of_copy={nbytes / gms / 1e9 / copy:.2f} warps={warps} "
@@ -229,8 +236,12 @@ def run_sweep_bwd(args, ns):
 
 
 def _cfg_str(cfg: BwdConfig) -> str:
-    fields = list(cfg) if cfg.num_stages is not None else list(cfg)[:-1]
-    return f"BwdConfig({', '.join(map(str, fields))})"
+    """BwdConfig(...) as it would be written in _BWD_CONFIGS: positional fields, defaults left out."""
+    default = BwdConfig(cfg.elems_per_thread, cfg.warps_per_sm)
+    fields = [str(cfg.elems_per_thread), str(cfg.warps_per_sm)]
+    fields += [f"{name}={value}" for name, value in cfg._asdict().items()
+               if name not in ("elems_per_thread", "warps_per_sm") and value != getattr(default, name)]
+    return f"BwdConfig({', '.join(fields)})"
 
 
 def _print_sweep_summary(results, nbytes_per_n):

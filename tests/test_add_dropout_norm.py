@@ -322,7 +322,7 @@ class _LaunchSpy:
 
 
 def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bias, has_dres,
-                       dtype=torch.float32, device="cpu", expect_rows_per_iter=None):
+                       dtype=torch.float32, device="cpu", expect_rows_per_iter=None, expect_prefetch=None):
     """The backward launcher under `config` against the reference backward, on forward outputs of the kernel's
     own reference (so that only the backward is under test)."""
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, has_weight, has_bias and not rms)
@@ -335,6 +335,8 @@ def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bi
     got = adn.add_dropout_norm_bwd_launch(*bargs, config=config, launch=spy)
     if expect_rows_per_iter is not None:
         assert spy.meta[0]["ROWS_PER_ITER"] == expect_rows_per_iter and spy.meta[0]["NUM_CHUNKS"] == 1
+    if expect_prefetch is not None:
+        assert spy.meta[0]["PREFETCH"] == expect_prefetch
     ref = adn._bwd_cpu(*bargs)
     tol = dict(atol=FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
     for name, g, e in zip(("dx", "dresidual", "dweight", "dbias"), got, ref, strict=True):
@@ -356,15 +358,17 @@ _BWD_VARIANT_CASES = [
 
 @pytest.mark.interpret
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
-@pytest.mark.parametrize("rows_per_iter", [1, 2, 4])
+@pytest.mark.parametrize("rows_per_iter,prefetch", [(1, False), (1, True), (2, False), (4, False), (2, True)])
 @pytest.mark.parametrize("rms", [False, True])
-def test_interpret_bwd_rows_per_iter(rows_per_iter, rms):
-    """Each backward loop form (one row, or a [ROWS_PER_ITER, BLOCK_N] tile) against the reference grads.
-    37 rows over the interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so the last program's
-    rows end inside a tile."""
-    config = adn.BwdConfig(8, 32, rows_per_iter)
+def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, rms):
+    """Each backward loop form (one row; one row with the next row's loads issued first; a
+    [ROWS_PER_ITER, BLOCK_N] tile, which ignores prefetch) against the reference grads. 37 rows over the
+    interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so the last program's rows end inside a
+    tile, and each program's last prefetch falls past its rows."""
+    config = adn.BwdConfig(8, 32, rows_per_iter, prefetch=prefetch)
     for case in _BWD_VARIANT_CASES:
-        _check_bwd_variant(config, 37, *case[:1], rms, *case[1:], expect_rows_per_iter=rows_per_iter)
+        _check_bwd_variant(config, 37, *case[:1], rms, *case[1:], expect_rows_per_iter=rows_per_iter,
+                           expect_prefetch=prefetch and rows_per_iter == 1)
 
 
 @pytest.mark.interpret

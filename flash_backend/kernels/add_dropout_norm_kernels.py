@@ -177,11 +177,30 @@ def _add_dropout_norm_fwd_kernel(
 
 
 @triton.jit
-def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
-                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
-    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+def _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols, mask, stride_h_row, stride_dy_row,
+                  stride_dres_out_row, IS_RMS_NORM: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr):
+    """Row r's inputs as stored (h, dy, d(residual_out), mean, rstd); all zero when r is not below row_end,
+    which then reads no memory."""
+    valid = r < row_end
+    row = r.to(tl.int64)
+    row_mask = mask & valid
+    h = tl.load(H + row * stride_h_row + cols, mask=row_mask, other=0.0)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=row_mask, other=0.0)
+    if HAS_DRESIDUAL_OUT:
+        dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=row_mask, other=0.0)
+    else:
+        dres_out = 0.0
+    mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row, mask=valid, other=0.0)
+    rstd = tl.load(RSTD + row, mask=valid, other=0.0)
+    return h, dy, dres_out, mean, rstd
+
+
+@triton.jit
+def _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr):
+    """(dy, xhat, w * dy) in fp32 from a chunk of h and dy as loaded (zero outside the row)."""
+    h = h.to(tl.float32)
+    dy = dy.to(tl.float32)
     if IS_RMS_NORM:
         xhat = h * rstd
     else:
@@ -194,6 +213,15 @@ def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, st
 
 
 @triton.jit
+def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
+                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
+    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0)
+    return _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+
+
+@triton.jit
 def _rounded(mask, product):
     """product, rounded to fp32 before any later use. Without the select, the compiler may contract
     `w * dy - mean(w * dy)` into one FMA that subtracts the *rounded* mean from the *unrounded* product: for
@@ -202,19 +230,19 @@ def _rounded(mask, product):
 
 
 @triton.jit
-def _store_input_grads(DRESIDUAL_OUT, DRESIDUAL, DX, seed, row, col_start, mask, dy, xhat, wdy, c1, c2, rstd,
-                       n_quads, dropout_threshold, dropout_scale, stride_dres_out_row, stride_dres_row,
-                       stride_dx_row, BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-                       HAS_DRESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                       STORE_DRESIDUAL: tl.constexpr):
-    """dh = d(norm)/dh + d(residual_out); store it as the residual's grad, and through dropout as x's."""
+def _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
+                       dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row,
+                       BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr,
+                       HAS_DROPOUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr):
+    """dh = d(norm)/dh + d(residual_out) (dres_out, as loaded); store it as the residual's grad, and through
+    dropout as x's."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if IS_RMS_NORM:
         dh = (wdy - xhat * c1) * rstd
     else:
         dh = (wdy - (xhat * c1 + c2)) * rstd
     if HAS_DRESIDUAL_OUT:
-        dh += tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dh += dres_out.to(tl.float32)
     if STORE_DRESIDUAL:
         tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
@@ -251,6 +279,7 @@ def _add_dropout_norm_bwd_kernel(
     # of two (rows past M are masked off); fused rows loop to a runtime bound and ignore it.
     ROWS_PER_PROGRAM: tl.constexpr,
     ROWS_PER_ITER: tl.constexpr,  # rows per loop iteration of a fused row (NUM_CHUNKS == 1); a power of two
+    PREFETCH: tl.constexpr,  # one-row loop only: row r + 1's loads are issued before row r's work
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -264,7 +293,43 @@ def _add_dropout_norm_bwd_kernel(
     dropout_scale = tl.cast(dropout_scale, tl.float32)  # fp64 under Inductor
     row_start = pid * rows_per_program
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
+    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1 and PREFETCH:
+        # One row per iteration, software-pipelined: the next row's loads are issued before this row's two
+        # block reductions (barriers) and stores, so that HBM keeps working while a row is reduced. The
+        # second row in flight costs its registers; two rows ahead measured slower at every N (H200).
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # A while loop over a runtime bound: a constant-trip for loop costs ~90 more registers here (fewer
+        # programs per SM), and the interpreter cannot range() over a runtime bound.
+        r = row_start
+        row_end = tl.minimum(row_start + rows_per_program, M)
+        h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols,
+                                                    mask, stride_h_row, stride_dy_row, stride_dres_out_row,
+                                                    IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+        while r < row_end:
+            row = r.to(tl.int64)
+            h_next, dy_next, dres_out_next, mean_next, rstd_next = _load_bwd_row(
+                H, DY, DRESIDUAL_OUT, MEAN, RSTD, r + 1, row_end, cols, mask,
+                stride_h_row, stride_dy_row, stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+            dy32, xhat, wdy = _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+            if HAS_WEIGHT:
+                dw += dy32 * xhat
+            if HAS_BIAS:
+                db += dy32
+            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
+            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
+            _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
+                               dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row, BLOCK_N,
+                               IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
+            h, dy, dres_out, mean, rstd = h_next, dy_next, dres_out_next, mean_next, rstd_next
+            r += 1
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
+    elif NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
         cols = tl.arange(0, BLOCK_N)
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -285,10 +350,13 @@ def _add_dropout_norm_bwd_kernel(
                 db += dy
             c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
             c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
-            _store_input_grads(DRESIDUAL_OUT, DRESIDUAL, DX, seed, row, 0, mask, dy, xhat, wdy, c1, c2,
-                               rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_out_row,
-                               stride_dres_row, stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT,
-                               HAS_DROPOUT, STORE_DRESIDUAL)
+            if HAS_DRESIDUAL_OUT:
+                dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
+            else:
+                dres_out = 0.0
+            _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
+                               dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row, BLOCK_N,
+                               IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
             r += 1
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
@@ -395,10 +463,14 @@ def _add_dropout_norm_bwd_kernel(
                     db += dy
                 c1 = tl.sum(tl.where(row_ids == i, c1s, 0.0), axis=0)
                 c2 = tl.sum(tl.where(row_ids == i, c2s, 0.0), axis=0)
-                _store_input_grads(DRESIDUAL_OUT, DRESIDUAL, DX, seed, row, col_start, mask, dy, xhat, wdy,
-                                   c1, c2, rstd, n_quads, dropout_threshold, dropout_scale,
-                                   stride_dres_out_row, stride_dres_row, stride_dx_row, BLOCK_N, IS_RMS_NORM,
-                                   HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
+                if HAS_DRESIDUAL_OUT:
+                    dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
+                else:
+                    dres_out = 0.0
+                _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat, wdy, c1, c2,
+                                   rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
+                                   stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
+                                   STORE_DRESIDUAL)
             if HAS_WEIGHT:
                 tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
             if HAS_BIAS:

@@ -50,22 +50,25 @@ class BwdConfig(NamedTuple):
     rows_per_iter: int = 1  # rows per loop iteration, a power of two; a thread holds rows * elems values
     max_fused: int = _MAX_FUSED_N_BWD  # widest row kept in registers; wider rows loop over such chunks
     num_stages: int | None = None  # None: Triton's default
+    prefetch: bool = False  # one-row loop: issue the next row's loads before this row's reductions
 
 
 _BWD_SHIPPED = BwdConfig(8, 32)
 # Backward launch shapes per (largest next_power_of_2(N) of the bucket, is_rms_norm), first bucket that
 # holds N wins: the best of `bench_layer_norm.py --sweep-bwd` on the H200 (M=16384, bf16, dropout +
-# residual; bench/logs/sweep_bwd_h200.log, commit 8689faa). Gains over the earlier single shape (8, 32)
-# are 0-6%, except RMSNorm at 16384 columns kept in registers (1.49x). Rows wider than 16384 keep it.
+# residual). Buckets up to 8192: bench/logs/sweep_bwd_prefetch_h200.log (the software-pipelined one-row
+# loop wins everywhere but LayerNorm at N <= 1024: 1.04-1.06x at 2048-4096, 1.24-1.28x at 8192, where the
+# earlier shapes left HBM idle during each row's reductions). 16384: bench/logs/sweep_bwd_h200.log (8689faa;
+# whole rows in registers, RMSNorm 1.49x). Rows wider than 16384 keep the first shape, (8, 32).
 _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
-    (1024, False): BwdConfig(16, 16),  # best at 768; 1.00x of the best at 1024
-    (1024, True): BwdConfig(8, 32),
-    (2048, False): BwdConfig(8, 16, rows_per_iter=2),
-    (2048, True): BwdConfig(8, 16, rows_per_iter=2),
-    (4096, False): BwdConfig(16, 16),
-    (4096, True): BwdConfig(8, 32),
-    (8192, False): BwdConfig(8, 32),
-    (8192, True): BwdConfig(16, 16, rows_per_iter=2),
+    (1024, False): BwdConfig(16, 16),
+    (1024, True): BwdConfig(16, 16, prefetch=True),
+    (2048, False): BwdConfig(8, 16, prefetch=True),
+    (2048, True): BwdConfig(16, 16, prefetch=True),
+    (4096, False): BwdConfig(8, 16, prefetch=True),
+    (4096, True): BwdConfig(8, 16, prefetch=True),
+    (8192, False): BwdConfig(16, 8, prefetch=True),
+    (8192, True): BwdConfig(16, 8, prefetch=True),  # = (8, 16, prefetch) within 0.1%, and no 64-register cap
     (16384, False): BwdConfig(32, 16, max_fused=16384),
     (16384, True): BwdConfig(16, 32, max_fused=16384),
     (MAX_N, False): _BWD_SHIPPED,
@@ -355,6 +358,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
         dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, 4), _dropout_threshold(dropout_p),
         1.0 / (1.0 - dropout_p), ROWS_PER_PROGRAM=const_rows_per_program, ROWS_PER_ITER=rows_per_iter,
+        PREFETCH=bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1,
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
