@@ -330,6 +330,9 @@ def _add_dropout_norm_bwd_kernel(
         if HAS_BIAS:
             tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
     elif NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
+        # The same loop without the prefetch, loading d(residual_out) only after the reductions: the fewest
+        # registers. It stays where the second row in flight does not pay: LayerNorm at N <= 1024, and the
+        # 16384-column rows kept in registers (they spill already; bench/logs/sweep_bwd_prefetch_h200.log).
         cols = tl.arange(0, BLOCK_N)
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
