@@ -30,27 +30,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_e2e import CONFIGS, _build  # noqa: E402
 
 
+def _timed(original, record):
+    """original, wrapped so that each call's wall time goes to record(first argument, seconds)."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            record(args[0] if args else None, time.perf_counter() - t0)
+
+    return timed
+
+
 def _count_triton_compiles():
-    """Wrap triton.compile so every compile done in *this* process is timed (Inductor's worker processes
-    compile elsewhere and are not seen here, which is the point: this is what blocks the step)."""
+    """Wrap triton.compile so every compile done in *this* process is timed per kernel name (Inductor's
+    worker processes compile elsewhere and are not seen here, which is the point: this is what blocks the
+    step)."""
+    import triton
+    import triton.compiler
     import triton.compiler.compiler as tc
 
     seen: dict[str, list[float]] = defaultdict(list)
-    original = tc.compile
 
-    def timed(src, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(src, *args, **kwargs)
-        finally:
-            name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
-            seen[name].append(time.perf_counter() - t0)
-
-    import triton
-    import triton.compiler
+    def record(src, seconds):
+        seen[getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__].append(seconds)
 
     # JITFunction imports `compile` from triton.compiler when it first runs; patch every name it may use.
-    tc.compile = triton.compiler.compile = triton.compile = timed
+    tc.compile = triton.compiler.compile = triton.compile = _timed(tc.compile, record)
     return seen
 
 
@@ -72,17 +79,8 @@ def _time_torch_functions():
     for module_name, name in _TIMED:
         module = importlib.import_module(module_name)
         original = getattr(module, name, None)
-        if original is None:
-            continue
-
-        def timed(*args, _original=original, _name=name, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_name].append(time.perf_counter() - t0)
-
-        setattr(module, name, timed)
+        if original is not None:
+            setattr(module, name, _timed(original, lambda _, seconds, name=name: spent[name].append(seconds)))
     return spent
 
 

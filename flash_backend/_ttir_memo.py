@@ -29,7 +29,10 @@ import logging
 import sys
 import types
 
+import sympy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from triton.runtime.autotuner import Autotuner
 
 log = logging.getLogger("flash_backend")
 
@@ -49,9 +52,6 @@ def _is_our_kernel(kernel) -> bool:
 
 def _argument_key(value):
     """What generate_ttir sees of one argument, or _NOT_CACHEABLE."""
-    import sympy
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
         return ("symbolic",)
     inductor_ir = sys.modules.get("torch._inductor.ir")  # only Inductor's lowering passes its buffers
@@ -75,8 +75,6 @@ def _kernel_identity(kernel):
     one per call site; generate_ttir unwraps it and merges its first config's kwargs. (It builds the IR
     with default options; the config's launch options are in the key all the same, so that no hit ever
     depends on that detail of torch's.)"""
-    from triton.runtime.autotuner import Autotuner
-
     if not isinstance(kernel, Autotuner):
         return kernel, ()
     config = kernel.configs[0] if kernel.configs else None

@@ -229,13 +229,16 @@ def test_cuda_every_fused_choice_is_overridden(backend, restored):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     args, kwargs = _cuda_case("causal")
-    # Only PyTorch's own kernel may justify a skip (not built into this torch / not usable on this GPU);
-    # once ours is active, any error is a failure.
+    # Only PyTorch's own kernel may justify a skip: a torch built without this backend, or a GPU it does
+    # not support, has no such choice to override. SDPA then raises "No available kernel"; any other error
+    # is a failure, and once ours is active every error is.
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
             _fwd_bwd(F.scaled_dot_product_attention, args, kwargs)
     except RuntimeError as e:
-        pytest.skip(f"PyTorch's {backend} is not usable here: {e}")
+        if "No available kernel" not in str(e):
+            raise
+        pytest.skip(f"this torch has no usable {backend} kernel on this GPU, so no choice to override: {e}")
     attention.activate_flash_attention_impl("flash_backend")
     with sdpa_kernel(getattr(SDPBackend, backend)):
         out, grads, _ = _fwd_bwd(F.scaled_dot_product_attention, args, kwargs)

@@ -293,10 +293,13 @@ def _add_dropout_norm_bwd_kernel(
     dropout_scale = tl.cast(dropout_scale, tl.float32)  # fp64 under Inductor
     row_start = pid * rows_per_program
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1 and PREFETCH:
-        # One row per iteration, software-pipelined: the next row's loads are issued before this row's two
-        # block reductions (barriers) and stores, so that HBM keeps working while a row is reduced. The
-        # second row in flight costs its registers; two rows ahead measured slower at every N (H200).
+    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
+        # One row per iteration. With PREFETCH the loop is software-pipelined: the next row's loads are
+        # issued before this row's two block reductions (barriers) and stores, so that HBM keeps working
+        # while a row is reduced; the second row in flight costs its registers (two rows ahead measured
+        # slower at every N on the H200). Without it a row loads d(residual_out) only after its reductions:
+        # the fewest registers, which wins for LayerNorm at N <= 1024 and for the 16384-column rows kept in
+        # registers (bench/logs/sweep_bwd_prefetch_h200.log).
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -305,14 +308,20 @@ def _add_dropout_norm_bwd_kernel(
         # programs per SM), and the interpreter cannot range() over a runtime bound.
         r = row_start
         row_end = tl.minimum(row_start + rows_per_program, M)
-        h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols,
-                                                    mask, stride_h_row, stride_dy_row, stride_dres_out_row,
-                                                    IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+        if PREFETCH:
+            h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols,
+                                                        mask, stride_h_row, stride_dy_row,
+                                                        stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
         while r < row_end:
             row = r.to(tl.int64)
-            h_next, dy_next, dres_out_next, mean_next, rstd_next = _load_bwd_row(
-                H, DY, DRESIDUAL_OUT, MEAN, RSTD, r + 1, row_end, cols, mask,
-                stride_h_row, stride_dy_row, stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+            if PREFETCH:
+                h_next, dy_next, dres_out_next, mean_next, rstd_next = _load_bwd_row(
+                    H, DY, DRESIDUAL_OUT, MEAN, RSTD, r + 1, row_end, cols, mask, stride_h_row, stride_dy_row,
+                    stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+            else:
+                h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end,
+                                                            cols, mask, stride_h_row, stride_dy_row,
+                                                            stride_dres_out_row, IS_RMS_NORM, False)
             dy32, xhat, wdy = _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
             if HAS_WEIGHT:
                 dw += dy32 * xhat
@@ -320,51 +329,18 @@ def _add_dropout_norm_bwd_kernel(
                 db += dy32
             c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
             c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
+            if HAS_DRESIDUAL_OUT and not PREFETCH:
+                dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
             _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
                                dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row, BLOCK_N,
                                IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
-            h, dy, dres_out, mean, rstd = h_next, dy_next, dres_out_next, mean_next, rstd_next
+            if PREFETCH:
+                h, dy, dres_out, mean, rstd = h_next, dy_next, dres_out_next, mean_next, rstd_next
             r += 1
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
         if HAS_BIAS:
             tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
-    elif NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
-        # The same loop without the prefetch, loading d(residual_out) only after the reductions: the fewest
-        # registers. It stays where the second row in flight does not pay: LayerNorm at N <= 1024, and the
-        # 16384-column rows kept in registers (they spill already; bench/logs/sweep_bwd_prefetch_h200.log).
-        cols = tl.arange(0, BLOCK_N)
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        # A while loop over a runtime bound: a constant-trip for loop costs ~90 more registers here (fewer
-        # programs per SM), and the interpreter cannot range() over a runtime bound.
-        r = row_start
-        row_end = tl.minimum(row_start + rows_per_program, M)
-        while r < row_end:
-            row = r.to(tl.int64)
-            mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            mask = cols < N
-            dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                            stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
-            if HAS_WEIGHT:
-                dw += dy * xhat
-            if HAS_BIAS:
-                db += dy
-            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
-            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
-            if HAS_DRESIDUAL_OUT:
-                dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
-            else:
-                dres_out = 0.0
-            _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
-                               dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row, BLOCK_N,
-                               IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
-            r += 1
-        if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
-        if HAS_BIAS:
-            tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
     elif NUM_CHUNKS == 1:
         # A [ROWS_PER_ITER, BLOCK_N] tile per iteration. The row reductions are block-wide (barriers), so
         # everything that does not depend on them is issued first: the loads of all the tile's rows
