@@ -25,6 +25,24 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(step) -> float | None:
+    """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return bench_ms(graph.replay)
+    except Exception as e:  # report, keep benchmarking the rest
+        print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
 def _commit() -> str:
     # The GPU machine gets a copy of the tree without .git: the caller passes FLASH_COMMIT there.
     if os.environ.get("FLASH_COMMIT"):

@@ -4,6 +4,7 @@
     python bench/bench_attention.py --sweep    # time kernel configs per head_dim (to fill the tables)
     python bench/bench_attention.py --dropout  # dropout p=0.1 against the SDPA backends that take it
     python bench/bench_attention.py --overhead # host vs device time per call, small case
+    python bench/bench_attention.py --atomic-dq  # backward GPU time: dQ kernel vs atomic dQ (use_atomic_dq)
 
 TFLOP/s use flops = 4*B*H*S^2*D, halved when causal; fwd+bwd counts 3.5x the forward.
 """
@@ -22,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import Results, bench_ms, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table  # noqa: E402
 from flash_backend.ops.attention import flash_attention  # noqa: E402
 
 DT = torch.bfloat16
@@ -289,6 +290,60 @@ def run_overhead(args):
                       f"wall {wall_us:.0f} us/call, do_bench {bench_ms(step) * 1e3:.0f} us", flush=True)
 
 
+# (B, H, S, D, causal, dropout_p) and the atomic dK/dV launch shapes tried at that head_dim
+ATOMIC_DQ_ROWS = [
+    (64, 12, 197, 64, False, 0.0),  # ViT-base
+    (32, 12, 512, 64, False, 0.0),  # BERT-base
+    (32, 12, 512, 64, False, 0.1),
+    (16, 12, 1024, 64, True, 0.0),  # GPT-2 small
+    (16, 12, 1024, 64, True, 0.1),
+    (8, 16, 2048, 64, False, 0.1),
+    (2, 16, 4096, 64, True, 0.1),
+    (8, 16, 2048, 64, True, 0.0),
+    (8, 16, 1024, 128, False, 0.0),
+    (8, 16, 1024, 128, False, 0.1),
+    (4, 16, 4096, 128, True, 0.1),
+    (2, 16, 2048, 256, False, 0.1),
+]
+ATOMIC_DQ_CANDIDATES = {64: [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)],
+                        128: [(64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
+                        256: [(32, 32, 4, 2), (32, 64, 8, 2)]}
+
+
+def run_atomic_dq(args):
+    """GPU time (CUDA-graph replay, no launch overhead) of the backward launcher with the dQ kernel against
+    the atomic dQ accumulation, the evidence behind attention_bwd.use_atomic_dq."""
+    from flash_backend.kernels import attention_bwd, attention_fwd
+
+    print(f"env {env_info()}", flush=True)
+    for B, H, S, D, causal, p in ATOMIC_DQ_ROWS:
+        q, k, v = (t.detach() for t in _inputs(B, H, H, S, D, None)[:3])
+        out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+        seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
+        fwd_args = (None, seed, p, D ** -0.5, -1, 0 if causal else -1, False)
+        attention_fwd.attention_forward_launch(q, k, v, *fwd_args, out, lse)
+        dout = torch.randn_like(q)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        bwd = functools.partial(attention_bwd.attention_backward_launch, dout, q, k, v, out, lse, *fwd_args,
+                                *grads, None)
+        flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+        base_ms = graph_ms(bwd)
+        picked = attention_bwd.use_atomic_dq(D, p, False, False)
+        print(f"ATOMIC_DQ {B},{H},{S},{D} causal={causal} p={p}: dQ kernel {base_ms * 1e3:.0f} us "
+              f"({flops / base_ms / 1e9:.0f} TF/s); use_atomic_dq={picked}", flush=True)
+        ref = [g.clone() for g in grads]
+        for cfg in ATOMIC_DQ_CANDIDATES[D]:
+            step = functools.partial(bwd, atomic_dq=True, config=(cfg, attention_bwd.DQ_CONFIGS[D]))
+            step()
+            err = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                      for g, r in zip(grads, ref, strict=True))
+            ms = graph_ms(step)
+            print(f"ATOMIC_DQ   atomic {cfg}: {ms * 1e3:.0f} us ({flops / ms / 1e9:.0f} TF/s), "
+                  f"{base_ms / ms:.2f}x the dQ kernel, max rel diff {err:.1e}", flush=True)
+        del q, k, v, out, lse, dout, grads, ref
+        torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
@@ -297,9 +352,12 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")
     p.add_argument("--dropout", action="store_true", help="attention dropout p=0.1 against SDPA's backends")
+    p.add_argument("--atomic-dq", action="store_true", help="backward: dQ kernel vs atomic dQ, GPU time")
     args = p.parse_args()
     if args.overhead:
         run_overhead(args)
+    elif args.atomic_dq:
+        run_atomic_dq(args)
     elif args.dropout:
         run_dropout(args)
     elif args.sweep:

@@ -45,7 +45,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flash_backend.ops.add_dropout_norm as adn  # noqa: E402
-from bench._common import Results, bench_ms, env_info, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table  # noqa: E402
 from flash_backend.backend import flash_backend  # noqa: E402
 from flash_backend.ops.add_dropout_norm import BwdConfig, add_dropout_norm  # noqa: E402
 
@@ -78,24 +78,6 @@ def make_case(n: int, is_rms_norm: bool, requires_grad: bool):
         requires_grad)
     grads = (torch.randn(M, n, device="cuda", dtype=DTYPE), torch.randn(M, n, device="cuda", dtype=DTYPE))
     return (x, residual, weight, bias), grads
-
-
-def graph_ms(step) -> float | None:
-    """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return bench_ms(graph.replay)
-    except Exception as e:  # report, keep benchmarking the rest
-        print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return None
 
 
 def copy_tbps() -> float:

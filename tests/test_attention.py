@@ -303,8 +303,9 @@ INTERPRET_CASES = {
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_kernel", "atomic_dq"])
 @pytest.mark.parametrize("case", list(INTERPRET_CASES))
-def test_kernels_under_interpreter(interpreter, case):
+def test_kernels_under_interpreter(interpreter, case, atomic_dq):
     from flash_backend.kernels.attention_bwd import attention_backward_launch
     from flash_backend.kernels.attention_fwd import attention_forward_launch
 
@@ -327,14 +328,15 @@ def test_kernels_under_interpreter(interpreter, case):
     dout = torch.randn_like(q)
     grads = [torch.empty_like(t) for t in (q, k, v)] + [torch.empty_like(mask) if c["bias"] else None]
     attention_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
-                              config=((16, 32, 4, 2), (32, 32, 4, 2)))
+                              config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=atomic_dq)
     ref = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, *args, compute_dbias=c["bias"])
     for got, want in zip(grads, ref, strict=True):
         if want is not None:
             torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
 
 
-def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd_config=None):
+def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd_config=None,
+                          atomic_dq=False):
     """The keep-masks the three kernels apply (forward, dK/dV, dQ), read back through probe inputs, and the
     reference's mask for the same seed; all (B, Hq, Sq, Sk) bool.
 
@@ -359,21 +361,24 @@ def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd
     weights = 2.0 ** (torch.arange(Hq, device=device) % G).view(1, Hq, 1, 1)
     dout = (torch.eye(Sq, D, device=device) * weights).expand(B, Hq, Sq, D).half().contiguous()
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config)
+    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config,
+                              atomic_dq=atomic_dq)
     n = (dv[..., :Sq].float() / unit).round().long()  # (B, Hkv, Sk, Sq): sum_g 2**g keep^g
     assert ((n >= 0) & (n < 2**G)).all()
     dkdv = torch.stack([(n >> g) & 1 for g in range(G)], 2).view(B, Hq, Sk, Sq).transpose(-1, -2).bool()
     dout = torch.ones_like(q)
-    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config)
+    attention_backward_launch(dout, q, k, v, out, lse, *args, dq, dk, dv, None, config=bwd_config,
+                              atomic_dq=atomic_dq)
     return dropout_keep_mask(seed, p, B, Hq, Sq, Sk, device), fwd, dkdv, dq[..., :Sk] > 0
 
 
 @pytest.mark.interpret
-def test_kernels_drop_the_reference_elements_under_interpreter(interpreter):
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_kernel", "atomic_dq"])
+def test_kernels_drop_the_reference_elements_under_interpreter(interpreter, atomic_dq):
     # Sk = 45: 4 * ceil(Sk / 32) = 8 Philox calls per query row, keys 32..44 a partial 32-key span; key
     # blocks of 32 in all three kernels, the second one partial; GQA: the dK/dV kernel walks both q heads.
     want, *got = _kernel_dropout_masks(2, 2, 1, 37, 45, 48, 0.3, "cpu", fwd_config=(32, 32, 4, 2),
-                                       bwd_config=((16, 32, 4, 2), (32, 32, 4, 2)))
+                                       bwd_config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=atomic_dq)
     assert abs(want.float().mean().item() - 0.7) < 0.05
     for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
         assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
@@ -507,8 +512,9 @@ def test_cuda_varlen_matches_reference():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "dq_kernel"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_dropout_matches_reference_mask(dtype):
+def test_cuda_dropout_matches_reference_mask(dtype, deterministic):
     q, k, v = _qkv(2, 4, 2, 333, 517, 64, dtype=dtype, device="cuda")
     seed = torch.randint(0, 2**62, (1,), device="cuda")
     out, lse = torch.ops.flash.attention_forward(q, k, v, None, seed, 0.2, 0.125, -1, 0, False)
@@ -518,7 +524,7 @@ def test_cuda_dropout_matches_reference_mask(dtype):
     assert (out.float() - ref_out.float()).abs().max() <= 2 * err_low + 1e-2
     dout = torch.randn_like(out)
     grads = torch.ops.flash.attention_backward(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False,
-                                               False, False)[:3]
+                                               False, deterministic)[:3]
     ref = attention_backward_reference(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False)[:3]
     for got, want in zip(grads, ref, strict=True):
         assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-2
@@ -527,12 +533,49 @@ def test_cuda_dropout_matches_reference_mask(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("Sq,Sk,D", [(60, 61, 64), (100, 125, 128), (200, 250, 256)])
-def test_cuda_kernels_drop_the_reference_elements(Sq, Sk, D):
+@pytest.mark.parametrize("Sq,Sk,D,atomic_dq", [(60, 61, 64, False), (60, 61, 64, True),
+                                               (100, 125, 128, False), (200, 250, 256, False)])
+def test_cuda_kernels_drop_the_reference_elements(Sq, Sk, D, atomic_dq):
     # the default configs of each head-dim bucket (key blocks of 32 to 128); Sq, Sk <= D for the probes
-    want, *got = _kernel_dropout_masks(2, 4, 2, Sq, Sk, D, 0.2, "cuda")
+    want, *got = _kernel_dropout_masks(2, 4, 2, Sq, Sk, D, 0.2, "cuda", atomic_dq=atomic_dq)
     for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
         assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
+
+
+def test_atomic_dq_only_where_measured_faster_and_never_when_deterministic():
+    from flash_backend.kernels.attention_bwd import use_atomic_dq
+
+    assert use_atomic_dq(64, 0.1, False, False)
+    assert use_atomic_dq(40, 0.1, False, False)  # the 64 bucket
+    assert not use_atomic_dq(64, 0.1, False, True)  # torch.use_deterministic_algorithms(True)
+    assert not use_atomic_dq(64, 0.0, False, False)
+    assert not use_atomic_dq(64, 0.1, True, False)
+    assert not use_atomic_dq(128, 0.1, False, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_dropout_backward_repeats_under_deterministic_mode(deterministic):
+    # D=64 with dropout and no mask: the atomic dQ path unless deterministic algorithms are on, then the
+    # dQ kernel, whose gradients repeat bit for bit (the accuracy of both: test_cuda_dropout_matches_...)
+    q, k, v = _qkv(3, 6, 2, 301, 517, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            out = flash_attention(q, k, v, dropout_p=0.15, is_causal=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for a, b in zip(*runs, strict=True):
+        assert torch.isfinite(a).all()
+        if deterministic:
+            assert torch.equal(a, b)
+        else:  # atomics may reorder the fp32 adds of dQ: equal up to rounding
+            assert (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item()
 
 
 @pytest.mark.cuda
@@ -575,6 +618,10 @@ def test_cuda_opcheck_and_compile():
     out, lse = torch.ops.flash.attention_forward(*args)
     opcheck(torch.ops.flash.attention_backward,
             (torch.randn_like(out), q, k, v, out, lse, *args[3:], True, True))
+    # the atomic dQ path (dropout, D=64, no mask, not deterministic)
+    out, lse = torch.ops.flash.attention_forward(q, k, v, None, *args[4:])
+    opcheck(torch.ops.flash.attention_backward,
+            (torch.randn_like(out), q, k, v, out, lse, None, *args[4:], False, False))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     f = lambda q, k, v: flash_attention(q, k, v, is_causal=True)
     got = torch.compile(f, fullgraph=True)(*leaves)

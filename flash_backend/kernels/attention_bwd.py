@@ -1,9 +1,12 @@
-"""FlashAttention-2 backward in Triton, without atomics (deterministic).
+"""FlashAttention-2 backward in Triton; deterministic unless the atomic dQ path is picked.
 
 Three kernels: delta = rowsum(dO * O); dK/dV, one program per BLOCK_N keys of one kv head, walking every
 query head of its GQA group and the query blocks that can see those keys (so GQA needs no reduction
 afterwards); dQ, one program per BLOCK_M queries, walking the visible key blocks. The split recomputes
 P and dP in the dQ kernel (7 matmuls instead of 5) in exchange for no atomics and no fp32 dQ buffer.
+Where that measured slower (use_atomic_dq: dropout at head_dim <= 64) and determinism is not required, the
+dK/dV kernel instead adds each tile's dS K into an fp32 dQ buffer with atomics (ATOMIC_DQ), FA2's way, and
+the dQ kernel is not run.
 When the bias needs a gradient the dK/dV kernel also writes dS (fp32, full (B, H, Sq, Sk)), which is then
 summed over the bias's broadcast dims.
 Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one Philox call per 8 keys)
@@ -32,6 +35,22 @@ from flash_backend.ops.attention import (
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
 DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)}
+# The dK/dV kernel when it also accumulates dQ with atomics: only where use_atomic_dq picks it.
+ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
+
+
+def use_atomic_dq(head_dim: int, dropout_p: float, has_mask: bool, deterministic: bool) -> bool:
+    """Whether the backward accumulates dQ with atomics in the dK/dV kernel (5 matmuls, one kernel, not
+    deterministic) rather than running the dQ kernel (7 matmuls, deterministic).
+
+    Measured on the H200 (CUDA-graph replay, bf16, `bench/bench_attention.py --atomic-dq`,
+    bench/logs/attention_atomic_dq_h200.log): atomics win with dropout at head_dim <= 64 (the dK/dV tile in
+    the queries-major orientation, no mask): 1.1-1.2x (GPT-2's 16x12x1024 causal p=0.1: 426 -> 367 us).
+    Without dropout the dQ kernel is as fast (ViT's 197 tokens) or 1.1-1.25x faster, and at head_dim 128
+    with dropout 1.5x faster: the atomic kernel spills (sm_90 ptxas: its fp32 dQ tile and the per-element
+    addresses of the atomics come on top of the dK/dV accumulators). head_dim 256 with dropout was within
+    6 % either way, so it keeps the deterministic path."""
+    return not deterministic and dropout_p > 0.0 and not has_mask and head_dim_bucket(head_dim) == 64
 
 
 @triton.jit
@@ -83,10 +102,21 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _add_dq_part(dqa_ptrs, dqa_mask, dq_part, MASK_DQ: tl.constexpr):
+    """Accumulate one key block's share of dQ into the fp32 buffer. Relaxed: the adds need no ordering
+    (the kernel's end is the only synchronisation), and the default acq_rel fences every add."""
+    if MASK_DQ:
+        tl.atomic_add(dqa_ptrs, dq_part, mask=dqa_mask, sem="relaxed")
+    else:
+        tl.atomic_add(dqa_ptrs, dq_part, sem="relaxed")
+
+
+@triton.jit
 def _dkdv_tile_queries_major(
     dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left, window_right,
-    qk_scale, dropout_threshold, dropout_scale, bh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BOUNDARY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    qk_scale, dropout_threshold, dropout_scale, bh, dqa_ptrs, dqa_mask, sm_scale, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, MASK_DQ: tl.constexpr,
 ):
     """One (queries, keys) tile of dK/dV with dropout, computed in the forward's orientation.
 
@@ -106,6 +136,8 @@ def _dkdv_tile_queries_major(
     dv += tl.dot(tl.trans(pd.to(do.dtype)), do)
     ds = p * (dp - delta[:, None])
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    if ATOMIC_DQ:
+        _add_dq_part(dqa_ptrs, dqa_mask, tl.dot((ds * sm_scale).to(k.dtype), k), MASK_DQ)
     return dk, dv
 
 
@@ -121,6 +153,7 @@ def _dkdv_inner(
     ds_ptrs,
     lse_ptrs,
     delta_ptrs,
+    dqa_ptrs,
     seed,
     stride_qm,
     stride_dom,
@@ -142,6 +175,7 @@ def _dkdv_inner(
     dropout_threshold,
     dropout_scale,
     bh,
+    sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -153,17 +187,20 @@ def _dkdv_inner(
     HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    MASK_Q: tl.constexpr = BOUNDARY or HEAD_DIM != BLOCK_D
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         rows = start_m + offs_m
-        if BOUNDARY or HEAD_DIM != BLOCK_D:
-            qmask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        qmask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        if MASK_Q:
             q = tl.load(q_ptrs + start_m * stride_qm, mask=qmask, other=0.0)
             do = tl.load(do_ptrs + start_m * stride_dom, mask=qmask, other=0.0)
         else:
             q = tl.load(q_ptrs + start_m * stride_qm)
             do = tl.load(do_ptrs + start_m * stride_dom)
+        dqa_rows = dqa_ptrs + start_m * HEAD_DIM
         if BOUNDARY:
             lse = tl.load(lse_ptrs + rows * stride_lm, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_ptrs + rows, mask=rows < seqlen_q, other=0.0)
@@ -173,8 +210,8 @@ def _dkdv_inner(
         if HAS_DROPOUT and not HAS_MASK and not STORE_DBIAS:  # the mask paths stay keys-major (below)
             dk, dv = _dkdv_tile_queries_major(
                 dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left,
-                window_right, qk_scale, dropout_threshold, dropout_scale, bh, BLOCK_M, BLOCK_N, BOUNDARY,
-                HAS_LEFT, HAS_RIGHT,
+                window_right, qk_scale, dropout_threshold, dropout_scale, bh, dqa_rows, qmask, sm_scale,
+                BLOCK_M, BLOCK_N, BOUNDARY, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, MASK_Q,
             )
         else:
             # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
@@ -215,6 +252,8 @@ def _dkdv_inner(
                     mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
                 )
             dk += tl.dot(dsT.to(q.dtype), q)
+            if ATOMIC_DQ:
+                _add_dq_part(dqa_rows, qmask, tl.dot(tl.trans((dsT * sm_scale).to(k.dtype)), k), MASK_Q)
     return dk, dv
 
 
@@ -231,6 +270,7 @@ def _attention_bwd_dkdv_kernel(
     DK,
     DV,
     DS,
+    DQ_ACC,
     CU_Q,
     CU_K,
     stride_qb,
@@ -288,6 +328,7 @@ def _attention_bwd_dkdv_kernel(
     MASK_IS_BOOL: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
@@ -400,9 +441,12 @@ def _attention_bwd_dkdv_kernel(
             + offs_n[:, None] * stride_dsn
         )
         lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + q_start * stride_lm
-        delta_ptrs = DELTA + (b * H + h).to(tl.int64) * DELTA_SEQ + q_start
+        # delta and the fp32 dQ buffer are (B*Hq, Sq) and (B*Hq, Sq, HEAD_DIM), varlen (Hq, total, ...)
+        row0 = (b * H + h).to(tl.int64) * DELTA_SEQ + q_start
         if IS_VARLEN:
-            delta_ptrs = DELTA + h.to(tl.int64) * DELTA_SEQ + q_start
+            row0 = h.to(tl.int64) * DELTA_SEQ + q_start
+        delta_ptrs = DELTA + row0
+        dqa_ptrs = DQ_ACC + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
         dk, dv = _dkdv_inner(
             dk,
             dv,
@@ -414,6 +458,7 @@ def _attention_bwd_dkdv_kernel(
             ds_ptrs,
             lse_ptrs,
             delta_ptrs,
+            dqa_ptrs,
             seed,
             stride_qm,
             stride_dom,
@@ -435,6 +480,7 @@ def _attention_bwd_dkdv_kernel(
             dropout_threshold,
             dropout_scale,
             bh,
+            sm_scale,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
@@ -446,6 +492,7 @@ def _attention_bwd_dkdv_kernel(
             HAS_DROPOUT,
             HAS_LEFT,
             HAS_RIGHT,
+            ATOMIC_DQ,
             1,
         )
         dk, dv = _dkdv_inner(
@@ -459,6 +506,7 @@ def _attention_bwd_dkdv_kernel(
             ds_ptrs,
             lse_ptrs,
             delta_ptrs,
+            dqa_ptrs,
             seed,
             stride_qm,
             stride_dom,
@@ -480,6 +528,7 @@ def _attention_bwd_dkdv_kernel(
             dropout_threshold,
             dropout_scale,
             bh,
+            sm_scale,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
@@ -491,6 +540,7 @@ def _attention_bwd_dkdv_kernel(
             HAS_DROPOUT,
             HAS_LEFT,
             HAS_RIGHT,
+            ATOMIC_DQ,
             NUM_STAGES,
         )
         dk, dv = _dkdv_inner(
@@ -504,6 +554,7 @@ def _attention_bwd_dkdv_kernel(
             ds_ptrs,
             lse_ptrs,
             delta_ptrs,
+            dqa_ptrs,
             seed,
             stride_qm,
             stride_dom,
@@ -525,6 +576,7 @@ def _attention_bwd_dkdv_kernel(
             dropout_threshold,
             dropout_scale,
             bh,
+            sm_scale,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_M,
@@ -536,6 +588,7 @@ def _attention_bwd_dkdv_kernel(
             HAS_DROPOUT,
             HAS_LEFT,
             HAS_RIGHT,
+            ATOMIC_DQ,
             1,
         )
     dk = dk * sm_scale
@@ -962,6 +1015,7 @@ def _launch_backward(
     max_k,
     cu_q,
     cu_k,
+    atomic_dq,
     config,
     launch,
 ):
@@ -969,7 +1023,8 @@ def _launch_backward(
     D = q.shape[-1]
     block_d = max(triton.next_power_of_2(D), 16)
     bucket = head_dim_bucket(D)
-    dkdv_cfg, dq_cfg = config or (DKDV_CONFIGS[bucket], DQ_CONFIGS[bucket])
+    dkdv_table = ATOMIC_DKDV_CONFIGS if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS else DKDV_CONFIGS
+    dkdv_cfg, dq_cfg = config or (dkdv_table[bucket], DQ_CONFIGS[bucket])
     if dropout_p > 0.0 and (dkdv_cfg[1] % DROPOUT_KEY_SPAN or dq_cfg[1] % DROPOUT_KEY_SPAN):
         raise ValueError(
             f"attention backward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
@@ -1001,6 +1056,9 @@ def _launch_backward(
     cu_q_t = cu_q if cu_q is not None else dummy
     cu_k_t = cu_k if cu_k is not None else dummy
     ds_t, ds_s = (ds, ds.stride()) if ds is not None else (dummy, (0, 0, 0, 0))
+    dq_acc = dummy
+    if atomic_dq:
+        dq_acc = torch.zeros((delta_rows, delta_seq, D), dtype=torch.float32, device=q.device)
     bm, bn, warps, stages = dkdv_cfg
     launch(_attention_bwd_dkdv_kernel)[(triton.cdiv(max_k, bn), B * Hkv)](
         q,
@@ -1014,6 +1072,7 @@ def _launch_backward(
         dk,
         dv,
         ds_t,
+        dq_acc,
         cu_q_t,
         cu_k_t,
         *q_s,
@@ -1039,11 +1098,14 @@ def _launch_backward(
         BLOCK_M=bm,
         BLOCK_N=bn,
         STORE_DBIAS=ds is not None,
+        ATOMIC_DQ=atomic_dq,
         NUM_STAGES=stages,
         num_warps=warps,
         num_stages=stages,
         **common,
     )
+    if atomic_dq:
+        return dq_acc
     bm, bn, warps, stages = dq_cfg
     launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
         q,
@@ -1082,6 +1144,7 @@ def _launch_backward(
         num_stages=stages,
         **common,
     )
+    return None
 
 
 def attention_backward_launch(
@@ -1103,17 +1166,21 @@ def attention_backward_launch(
     dv,
     dbias,
     *,
+    atomic_dq=False,
     config=None,
     launch=wrap_triton,
 ):
-    """Fill dq, dk, dv (and dbias, attn_mask's shape, when given) for (B, H, S, D) inputs of any strides."""
+    """Fill dq, dk, dv (and dbias, attn_mask's shape, when given) for (B, H, S, D) inputs of any strides.
+
+    atomic_dq=True accumulates dQ with fp32 atomics inside the dK/dV kernel instead of running the dQ kernel
+    (see use_atomic_dq for when that is faster; it is not deterministic)."""
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     ds = None
     if dbias is not None:
         ds = torch.zeros((B, H, Sq, Sk), dtype=torch.float32, device=q.device)
     views = tuple(t.stride() for t in (q, k, v, out, dout, lse, dq, dk, dv))
-    _launch_backward(
+    dq_acc = _launch_backward(
         dout,
         q,
         k,
@@ -1141,9 +1208,12 @@ def attention_backward_launch(
         Sk,
         None,
         None,
+        atomic_dq,
         config,
         launch,
     )
+    if dq_acc is not None:
+        dq.copy_(dq_acc.view(B, H, Sq, -1))
     if dbias is not None:
         dims = [d for d in range(4) if attn_mask.shape[d] == 1 and ds.shape[d] != 1]
         dbias.copy_(ds.sum(dim=dims, keepdim=True) if dims else ds)
@@ -1170,6 +1240,7 @@ def attention_varlen_backward_launch(
     dk,
     dv,
     *,
+    atomic_dq=False,
     config=None,
     launch=wrap_triton,
 ):
@@ -1191,7 +1262,7 @@ def attention_varlen_backward_launch(
         bhsd(dk),
         bhsd(dv),
     )
-    _launch_backward(
+    dq_acc = _launch_backward(
         dout,
         q,
         k,
@@ -1219,6 +1290,9 @@ def attention_varlen_backward_launch(
         max_seqlen_k,
         cu_q,
         cu_k,
+        atomic_dq,
         config,
         launch,
     )
+    if dq_acc is not None:  # (Hq, total, D) -> dq's (total, Hq, D)
+        dq.copy_(dq_acc.transpose(0, 1))

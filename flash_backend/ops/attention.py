@@ -1,10 +1,13 @@
 """Exact attention (FlashAttention-2 algorithm): `flash::attention_forward` / `flash::attention_backward`.
 
-Trade-off: the backward never uses atomics. dK/dV are produced by one kernel that walks the query blocks
-(and, for GQA, every query head of the group) of one key block, dQ by a second kernel that walks the key
-blocks of one query block. That recomputes QK^T and dO V^T once more (7 matmuls instead of FA2's 5) but
+Trade-off: by default the backward uses no atomics. dK/dV are produced by one kernel that walks the query
+blocks (and, for GQA, every query head of the group) of one key block, dQ by a second kernel that walks the
+key blocks of one query block. That recomputes QK^T and dO V^T once more (7 matmuls instead of FA2's 5) but
 is deterministic, needs no fp32 dQ scratch buffer and no zeroing pass, and GQA costs no extra memory.
-`torch.are_deterministic_algorithms_enabled()` is therefore always honoured.
+The one exception is where FA2's way measured faster on the H200: with dropout at head_dim <= 64 and no
+mask, unless `torch.are_deterministic_algorithms_enabled()`, the dK/dV kernel also accumulates dQ with fp32
+atomics (kernels/attention_bwd.py: use_atomic_dq). With deterministic algorithms on, and for varlen,
+every path is deterministic.
 
 Conventions shared by the reference and the kernels:
 - key j is visible to query i when `i + off - left <= j <= i + off + right` (a negative bound is
@@ -395,11 +398,12 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = _alloc_dbias(q, attn_mask, compute_dbias)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
-        from flash_backend.kernels.attention_bwd import attention_backward_launch
+        from flash_backend.kernels.attention_bwd import attention_backward_launch, use_atomic_dq
 
+        atomic_dq = use_atomic_dq(q.shape[-1], dropout_p, attn_mask is not None, deterministic)
         attention_backward_launch(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
                                   window_right, bottom_right, dq, dk, dv, dbias if compute_dbias else None,
-                                  launch=launch)
+                                  atomic_dq=atomic_dq, launch=launch)
         return dq, dk, dv, dbias
     rdq, rdk, rdv, rdb = attention_backward_reference(dout, q, k, v, out, lse, attn_mask, seed, dropout_p,
                                                       scale, window_left, window_right, bottom_right,
@@ -420,7 +424,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv like the inputs; dbias in attn_mask's shape when compute_dbias, else an empty tensor.
 
-    `deterministic` is accepted for the schema's sake: every path here is deterministic (no atomics).
+    `deterministic` (the autograd passes `torch.are_deterministic_algorithms_enabled()`) rules out the
+    atomic dQ accumulation, the only non-deterministic path (module docstring).
     """
     return _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
                                     window_right, bottom_right, compute_dbias, deterministic)
