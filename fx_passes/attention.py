@@ -103,6 +103,48 @@ def _is_static(t) -> bool:
     return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
 
 
+# Augmented and item assignments (`m &= cond`, `scores += mask`, `m[0] = x`) as dynamo records them: they
+# write into args[0].
+_AUGMENTED_ASSIGNMENTS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                          operator.ior, operator.ixor, operator.setitem)
+# Pure although spelled with a trailing underscore: dynamo records `a & b` / `a | b` / `not a` this way, and
+# transformers' mask functions combine their conditions with them.
+_PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
+
+
+def _is_in_place(node: Node) -> bool:
+    """Whether node writes into an argument: an augmented assignment, or a method / op named with a trailing
+    underscore (masked_fill_, add_) other than the pure operators spelled that way."""
+    if node.op == "call_function" and node.target in _PURE_UNDERSCORED:
+        return False
+    if node.op == "call_function" and node.target in _AUGMENTED_ASSIGNMENTS:
+        return True
+    return str(op_name(node) or node.target).endswith("_")
+
+
+# Ops whose result may share memory with their first argument: an in-place write through one changes both.
+_ALIASING = ("view", "reshape", "expand", "transpose", "permute", "unsqueeze", "squeeze", "getitem", "t",
+             "flatten", "unflatten", "narrow", "select", "slice", "as_strided", "detach", "view_as", "alias",
+             "contiguous")
+
+
+def _written_later(node: Node) -> bool:
+    """Whether some node writes into node's value, directly or through a view of it: then the value a use
+    sees depends on where the use is, and evaluating the producer alone would be wrong."""
+    pending, seen = [node], set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if _is_in_place(u) and u.args and u.args[0] is n:
+                return True
+            if op_name(u) in _ALIASING and u.args and u.args[0] is n:
+                pending.append(u)
+    return False
+
+
 def _const_eval(node, memo: dict | None = None):
     """The concrete value of a subgraph that reads no input (factories, constants, shapes), or raise.
 
@@ -118,8 +160,10 @@ def _const_eval(node, memo: dict | None = None):
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
     name = op_name(node) or getattr(node.target, "__name__", str(node.target))
-    if any(r in str(name) for r in _RANDOM_OPS) or str(name).endswith("_"):
+    if any(r in str(name) for r in _RANDOM_OPS) or _is_in_place(node):
         raise _Skip("nondeterministic or in-place")
+    if _written_later(node):
+        raise _Skip("written in place after it is computed")
     meta = val(node)
     if isinstance(meta, torch.Tensor) and (not _is_static(meta) or meta.numel() > _CONST_EVAL_MAX_NUMEL):
         raise _Skip("symbolic or large")
@@ -708,7 +752,7 @@ def _is_zero_constant(node) -> bool:
     # By construction, whatever its (possibly symbolic) size: GPT-NeoX's baddbmm(torch.zeros(B·H, S, S), ..)
     name = op_name(node) if isinstance(node, Node) else None
     if name in ("zeros", "zeros_like", "new_zeros") and not any(
-        str(op_name(u) or u.target).endswith("_") or u.target in _INPLACE_OPERATORS for u in node.users
+        _is_in_place(u) for u in node.users
     ):
         return True  # and nothing writes into it in place
     try:
@@ -1188,7 +1232,7 @@ def _erase_dead(graph: Graph, roots):
         node = pending.pop()
         if getattr(node, "_erased", False) or node.users or node.op not in ("call_function", "call_method"):
             continue
-        if str(op_name(node) or node.target).endswith("_"):
+        if _is_in_place(node):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)

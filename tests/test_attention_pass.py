@@ -674,11 +674,40 @@ def test_other_architectures(arch, impl):
     _check_model(model.train(), inputs, rewrites=2)
 
 
-def test_transformers_gpt2_causal_mask_becomes_is_causal():
+@pytest.mark.parametrize("use_cache", [None, False])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_transformers_gpt2_causal_mask_becomes_is_causal(training, use_cache):
+    # With use_cache=False (bench_e2e's training step) transformers adds a packed-sequence factor built from
+    # position_ids and combines the conditions with `&`: operator.and_, pure although named with a trailing
+    # underscore. It was once taken for an in-place op, and the causal mask was passed densely.
     model, inputs = _model_case("gpt2", "eager")
-    report = flash_backend.explain(model.eval(), print_report=False, **inputs)
+    if use_cache is not None:
+        inputs["use_cache"] = use_cache
+    report = flash_backend.explain(model.train(training), print_report=False, **inputs)
     attention = [d for d in report.rewrites if d.family == "attention"]
     assert len(attention) == 2 and all("causal" in d.detail for d in attention)
+
+
+@pytest.mark.parametrize("write", ["setitem", "masked_fill_", "through_a_view"])
+def test_constant_mask_written_in_place_is_not_evaluated_alone(write):
+    """A tril mask later written from an input is not the tril it started as: evaluating its factories at
+    compile time (and taking it as causal) would be silently wrong."""
+
+    def fn(q, k, v):
+        S = q.shape[-2]
+        keep = torch.ones(S, S, dtype=torch.bool).tril()
+        open_row = q[0, 0, 0, 0] < 100  # True for these inputs: query 1 then sees every key
+        if write == "setitem":
+            keep[1, 1:] = open_row
+        elif write == "masked_fill_":
+            keep.masked_fill_(open_row & (torch.arange(S) == 1)[:, None], True)
+        else:
+            keep.view(S * S)[S + 1:2 * S] = open_row
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    (node,) = _check_same(fn, *_qkv())
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
