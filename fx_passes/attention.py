@@ -114,12 +114,13 @@ _PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
 
 def _is_in_place(node: Node) -> bool:
     """Whether node writes into an argument: an augmented assignment, or a method / op named with a trailing
-    underscore (masked_fill_, add_) other than the pure operators spelled that way."""
+    underscore (masked_fill_, add_) other than the pure operators and dunder methods spelled that way."""
     if node.op == "call_function" and node.target in _PURE_UNDERSCORED:
         return False
     if node.op == "call_function" and node.target in _AUGMENTED_ASSIGNMENTS:
         return True
-    return str(op_name(node) or node.target).endswith("_")
+    name = str(op_name(node) or node.target)
+    return name.endswith("_") and not name.endswith("__")  # dunders (`__eq__`, transformers 5.17) are pure
 
 
 # Ops whose result may share memory with their first argument: an in-place write through one changes both.

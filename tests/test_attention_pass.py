@@ -688,6 +688,18 @@ def test_transformers_gpt2_causal_mask_becomes_is_causal(training, use_cache):
     assert len(attention) == 2 and all("causal" in d.detail for d in attention)
 
 
+def test_causal_mask_from_dunder_comparisons_becomes_is_causal():
+    # transformers 5.17 builds its mask with `a.__eq__(b)` (a call_method named with trailing underscores)
+    def fn(q, k, v):
+        i = torch.arange(q.shape[-2])
+        keep = i[None, :].__le__(i[:, None]) & i[:, None].__eq__(i[:, None])
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    (node,) = _check_same(fn, *_qkv())
+    assert node.kwargs["is_causal"] is True and node.kwargs.get("attn_mask") is None
+
+
 @pytest.mark.parametrize("write", ["setitem", "masked_fill_", "through_a_view"])
 def test_constant_mask_written_in_place_is_not_evaluated_alone(write):
     """A tril mask later written from an input is not the tril it started as: evaluating its factories at
