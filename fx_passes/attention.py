@@ -103,10 +103,9 @@ def _is_static(t) -> bool:
     return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
 
 
-# Augmented and item assignments (`m &= cond`, `scores += mask`, `m[0] = x`) as dynamo records them: they
-# write into args[0].
-_AUGMENTED_ASSIGNMENTS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
-                          operator.ior, operator.ixor, operator.setitem)
+# Writes into args[0] besides _INPLACE_OPERATORS (the arithmetic ones the walk functionalises): `m &= cond`,
+# `m |= cond`, `m ^= cond`, `m[0] = x`, as dynamo records them.
+_OTHER_ARG0_WRITERS = (operator.iand, operator.ior, operator.ixor, operator.setitem)
 # Pure although spelled with a trailing underscore: dynamo records `a & b` / `a | b` / `not a` this way, and
 # transformers' mask functions combine their conditions with them.
 _PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
@@ -115,18 +114,18 @@ _PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
 def _is_in_place(node: Node) -> bool:
     """Whether node writes into an argument: an augmented assignment, or a method / op named with a trailing
     underscore (masked_fill_, add_) other than the pure operators and dunder methods spelled that way."""
-    if node.op == "call_function" and node.target in _PURE_UNDERSCORED:
-        return False
-    if node.op == "call_function" and node.target in _AUGMENTED_ASSIGNMENTS:
-        return True
+    if node.op == "call_function":
+        if node.target in _PURE_UNDERSCORED:
+            return False
+        if node.target in _INPLACE_OPERATORS or node.target in _OTHER_ARG0_WRITERS:
+            return True
     name = str(op_name(node) or node.target)
     return name.endswith("_") and not name.endswith("__")  # dunders (`__eq__`, transformers 5.17) are pure
 
 
 # Ops whose result may share memory with their first argument: an in-place write through one changes both.
-_ALIASING = ("view", "reshape", "expand", "transpose", "permute", "unsqueeze", "squeeze", "getitem", "t",
-             "flatten", "unflatten", "narrow", "select", "slice", "as_strided", "detach", "view_as", "alias",
-             "contiguous")
+_ALIASING = _RESHAPES + ("expand", "transpose", "permute", "getitem", "t", "narrow", "select", "slice",
+                         "as_strided", "detach", "view_as", "alias", "contiguous")
 
 
 def _written_later(node: Node) -> bool:

@@ -385,7 +385,8 @@ def test_kernels_drop_the_reference_elements_under_interpreter(interpreter, atom
 
 
 @pytest.mark.interpret
-def test_varlen_kernels_dropout_under_interpreter(interpreter):
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_kernel", "atomic_dq"])
+def test_varlen_kernels_dropout_under_interpreter(interpreter, atomic_dq):
     # Positions and lengths inside each sequence key the RNG; probe inputs as in _kernel_dropout_masks
     # make one differing element move out or a gradient by >= scale / len_k (~0.03).
     from flash_backend.kernels.attention_bwd import attention_varlen_backward_launch
@@ -407,7 +408,7 @@ def test_varlen_kernels_dropout_under_interpreter(interpreter):
     dout = (1 + torch.rand_like(q, dtype=torch.float32)).half()
     grads = [torch.empty_like(t) for t in (q, k, v)]
     attention_varlen_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
-                                     config=((16, 32, 4, 2), (32, 32, 4, 2)))
+                                     config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=atomic_dq)
     ref = attention_varlen_backward_reference(dout, q, k, v, ref_out, ref_lse, *args[:2], *args[4:])
     for got, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)

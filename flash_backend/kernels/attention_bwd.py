@@ -1105,7 +1105,9 @@ def _launch_backward(
         **common,
     )
     if atomic_dq:
-        return dq_acc
+        # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
+        dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
+        return
     bm, bn, warps, stages = dq_cfg
     launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
         q,
@@ -1144,7 +1146,6 @@ def _launch_backward(
         num_stages=stages,
         **common,
     )
-    return None
 
 
 def attention_backward_launch(
@@ -1180,7 +1181,7 @@ def attention_backward_launch(
     if dbias is not None:
         ds = torch.zeros((B, H, Sq, Sk), dtype=torch.float32, device=q.device)
     views = tuple(t.stride() for t in (q, k, v, out, dout, lse, dq, dk, dv))
-    dq_acc = _launch_backward(
+    _launch_backward(
         dout,
         q,
         k,
@@ -1212,8 +1213,6 @@ def attention_backward_launch(
         config,
         launch,
     )
-    if dq_acc is not None:
-        dq.copy_(dq_acc.view(B, H, Sq, -1))
     if dbias is not None:
         dims = [d for d in range(4) if attn_mask.shape[d] == 1 and ds.shape[d] != 1]
         dbias.copy_(ds.sum(dim=dims, keepdim=True) if dims else ds)
@@ -1262,7 +1261,7 @@ def attention_varlen_backward_launch(
         bhsd(dk),
         bhsd(dv),
     )
-    dq_acc = _launch_backward(
+    _launch_backward(
         dout,
         q,
         k,
@@ -1294,5 +1293,3 @@ def attention_varlen_backward_launch(
         config,
         launch,
     )
-    if dq_acc is not None:  # (Hq, total, D) -> dq's (total, Hq, D)
-        dq.copy_(dq_acc.transpose(0, 1))
