@@ -299,7 +299,31 @@ INTERPRET_CASES = {
     "bool_mask_empty_rows": dict(Sq=37, Sk=45, bool_mask=True),
     "padding_bias_grad": dict(Sq=37, Sk=45, bias=True, bias_shape=(1, 1, 1, 45)),
     "dropout_causal_gqa": dict(Hq=4, Hkv=2, Sq=37, Sk=45, wr=0, p=0.3),
+    # query-broadcast (B, 1, 1, Sk) masks: key blocks of 32 dead for every query are skipped (see
+    # _padding_mask); with dropout the dK/dV tile is queries-major with the mask row applied
+    "padding_bool_dropout": dict(Hq=4, Hkv=2, Sq=37, Sk=100, p=0.3, padding="bool"),
+    "padding_additive_dropout": dict(Sq=37, Sk=100, p=0.3, padding="additive"),
+    "padding_bool_causal": dict(Sq=100, Sk=100, wr=0, padding="bool"),
 }
+
+
+def _padding_mask(kind: str, B: int, Sk: int, dtype=torch.float16) -> torch.Tensor:
+    """(B, 1, 1, Sk) masks whose dead keys fill whole 32-key blocks in some rows: right padding (keys
+    65..99), left padding (0..62), a dead block in the middle (32..63, live keys on both sides), and a row
+    with no live key: zeros for a bool mask. Additive masks carry random finite values on live keys and
+    -inf on dead ones, and their last row is one finite value everywhere, as transformers' finfo.min rows:
+    a plain softmax, never skipped (-30 here: at finfo.min, fp32 keeps too few bits of score + mask for the
+    kernel and the reference to round alike)."""
+    live = torch.zeros(B, Sk, dtype=torch.bool)
+    live[0, :65] = True  # the last live key opens a block, the first live key ends one:
+    live[1, 63:] = True  # a range off by one key loses a whole block
+    live[2, 10:20] = True
+    live[2, 80:90] = True
+    if kind == "bool":
+        return live.view(B, 1, 1, Sk)
+    mask = torch.randn(B, Sk).masked_fill(~live, float("-inf"))
+    mask[3] = -30.0
+    return mask.to(dtype).view(B, 1, 1, Sk)
 
 
 @pytest.mark.interpret
@@ -309,10 +333,13 @@ def test_kernels_under_interpreter(interpreter, case, atomic_dq):
     from flash_backend.kernels.attention_bwd import attention_backward_launch
     from flash_backend.kernels.attention_fwd import attention_forward_launch
 
-    c = dict(Hq=2, Hkv=2, D=32, wl=-1, wr=-1, br=False, p=0.0, bias=False, bool_mask=False, bias_shape=None)
+    c = dict(B=1, Hq=2, Hkv=2, D=32, wl=-1, wr=-1, br=False, p=0.0, bias=False, bool_mask=False,
+             bias_shape=None, padding=None)
     c.update(INTERPRET_CASES[case])
-    q, k, v = _qkv(1, c["Hq"], c["Hkv"], c["Sq"], c["Sk"], c["D"], dtype=torch.float16)
-    mask = None
+    if c["padding"]:
+        c["B"] = 4
+    q, k, v = _qkv(c["B"], c["Hq"], c["Hkv"], c["Sq"], c["Sk"], c["D"], dtype=torch.float16)
+    mask = _padding_mask(c["padding"], c["B"], c["Sk"]) if c["padding"] else None
     if c["bias"]:
         mask = torch.randn(c["bias_shape"] or (1, c["Hq"], c["Sq"], c["Sk"]), dtype=torch.float16)
     if c["bool_mask"]:
@@ -431,6 +458,7 @@ CUDA_CASES = {
     "bias_grad": dict(D=64, mask="bias"),
     "bias_broadcast_grad": dict(D=64, mask="bias_b1"),
     "bool_mask": dict(D=128, mask="bool"),
+    "padding_bool": dict(D=64, mask="padding"),
     "transposed_layout": dict(D=128, bshd=True, is_causal=True),
 }
 
@@ -461,6 +489,10 @@ def test_cuda_forward_and_gradients(case, dtype):
     elif c["mask"] == "bool":
         mask = torch.rand(c["B"], 1, c["Sq"], c["Sk"], device=dev) > 0.3
         mask[:, :, 7] = False
+    elif c["mask"] == "padding":  # right padding, then left padding: whole key blocks are skipped
+        mask = torch.ones(c["B"], 1, 1, c["Sk"], device=dev, dtype=torch.bool)
+        mask[0, ..., 377:] = False
+        mask[1, ..., :600] = False
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     if mask is not None and mask.is_floating_point():
         leaves.append(mask.detach().requires_grad_())
@@ -513,20 +545,26 @@ def test_cuda_varlen_matches_reference():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("padding", [False, True], ids=["no_mask", "padding_mask"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "dq_kernel"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_dropout_matches_reference_mask(dtype, deterministic):
+def test_cuda_dropout_matches_reference_mask(dtype, deterministic, padding):
     q, k, v = _qkv(2, 4, 2, 333, 517, 64, dtype=dtype, device="cuda")
+    mask = None
+    if padding:  # a (B, 1, 1, Sk) bool mask: right padding; left padding, so causal rows < 130 are empty
+        mask = torch.ones(2, 1, 1, 517, device="cuda", dtype=torch.bool)
+        mask[0, ..., 300:] = False
+        mask[1, ..., :130] = False
     seed = torch.randint(0, 2**62, (1,), device="cuda")
-    out, lse = torch.ops.flash.attention_forward(q, k, v, None, seed, 0.2, 0.125, -1, 0, False)
-    ref_out, ref_lse = attention_reference(q, k, v, None, seed, 0.2, 0.125, -1, 0, False)
-    low_out, _ = attention_reference(q, k, v, None, seed, 0.2, 0.125, -1, 0, False, upcast=False)
+    out, lse = torch.ops.flash.attention_forward(q, k, v, mask, seed, 0.2, 0.125, -1, 0, False)
+    ref_out, ref_lse = attention_reference(q, k, v, mask, seed, 0.2, 0.125, -1, 0, False)
+    low_out, _ = attention_reference(q, k, v, mask, seed, 0.2, 0.125, -1, 0, False, upcast=False)
     err_low = (low_out.float() - ref_out.float()).abs().max()
     assert (out.float() - ref_out.float()).abs().max() <= 2 * err_low + 1e-2
     dout = torch.randn_like(out)
-    grads = torch.ops.flash.attention_backward(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False,
+    grads = torch.ops.flash.attention_backward(dout, q, k, v, out, lse, mask, seed, 0.2, 0.125, -1, 0, False,
                                                False, deterministic)[:3]
-    ref = attention_backward_reference(dout, q, k, v, out, lse, None, seed, 0.2, 0.125, -1, 0, False)[:3]
+    ref = attention_backward_reference(dout, q, k, v, out, lse, mask, seed, 0.2, 0.125, -1, 0, False)[:3]
     for got, want in zip(grads, ref, strict=True):
         assert (got.float() - want.float()).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-2
     keep = torch.stack([flash_attention(q, k, v, dropout_p=0.3) for _ in range(50)]).float().mean(0)
@@ -550,7 +588,7 @@ def test_atomic_dq_only_where_measured_faster_and_never_when_deterministic():
     assert use_atomic_dq(40, 0.1, False, False)  # the 64 bucket
     assert not use_atomic_dq(64, 0.1, False, True)  # torch.use_deterministic_algorithms(True)
     assert not use_atomic_dq(64, 0.0, False, False)
-    assert not use_atomic_dq(64, 0.1, True, False)
+    assert not use_atomic_dq(64, 0.1, True, False)  # mask tiles (or dS stores) keep the dQ kernel
     assert not use_atomic_dq(128, 0.1, False, False)
 
 

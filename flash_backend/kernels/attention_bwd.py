@@ -13,8 +13,10 @@ Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one P
 and the same host-computed threshold and 1 / P(keep) scale, so the gradients see exactly the forward's
 dropped elements. The keep tile is cheap only in the (queries, keys) orientation, so with dropout the
 dK/dV kernel computes its tiles in that orientation and transposes P and dS into the dots instead
-(_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask or a bias
-gradient it stays keys-major and transposes the keep tile.
+(_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask that varies
+over queries or a bias gradient it stays keys-major and transposes the keep tile.
+A query-broadcast (padding) mask is loaded once per key block, and blocks of keys it masks for every
+query are skipped (_live_key_range, _key_block_mask): they contribute exactly zero.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, _visible, head_dim_bucket
+from flash_backend.kernels.attention_fwd import (
+    LIVE_SCAN_CHUNK,
+    LOG2E,
+    _dropout_keep,
+    _live_key_range,
+    _visible,
+    head_dim_bucket,
+)
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -39,7 +48,12 @@ DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)}
 ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
 
 
-def use_atomic_dq(head_dim: int, dropout_p: float, has_mask: bool, deterministic: bool) -> bool:
+def mask_is_query_broadcast(attn_mask) -> bool:
+    """A (B, H, 1, Sk)-like mask (padding): the kernels load one row of it per key block, never a tile."""
+    return attn_mask is not None and (attn_mask.shape[2] == 1 or attn_mask.stride(2) == 0)
+
+
+def use_atomic_dq(head_dim: int, dropout_p: float, mask_tiles: bool, deterministic: bool) -> bool:
     """Whether the backward accumulates dQ with atomics in the dK/dV kernel (5 matmuls, one kernel, not
     deterministic) rather than running the dQ kernel (7 matmuls, deterministic).
 
@@ -49,8 +63,10 @@ def use_atomic_dq(head_dim: int, dropout_p: float, has_mask: bool, deterministic
     Without dropout the dQ kernel is as fast (ViT's 197 tokens) or 1.1-1.25x faster, and at head_dim 128
     with dropout 1.5x faster: the atomic kernel spills (sm_90 ptxas: its fp32 dQ tile and the per-element
     addresses of the atomics come on top of the dK/dV accumulators). head_dim 256 with dropout was within
-    6 % either way, so it keeps the deterministic path."""
-    return not deterministic and dropout_p > 0.0 and not has_mask and head_dim_bucket(head_dim) == 64
+    6 % either way, so it keeps the deterministic path.
+    mask_tiles: a mask that varies over queries, or a bias gradient (dS stores): both keep the keys-major
+    tile; a query-broadcast (padding) mask does not, and is applied as one row per key block."""
+    return not deterministic and dropout_p > 0.0 and not mask_tiles and head_dim_bucket(head_dim) == 64
 
 
 @triton.jit
@@ -112,18 +128,40 @@ def _add_dq_part(dqa_ptrs, dqa_mask, dq_part, MASK_DQ: tl.constexpr):
 
 
 @triton.jit
+def _key_block_mask(mask_row, stride_mn, offs_n, seqlen_k, MASK_IS_BOOL: tl.constexpr):
+    """The keys offs_n of a query-broadcast mask row, ready to apply to a score tile (bool, or the additive
+    bias in log2 units), and 1 when any of them is live (not False / -inf), else 0."""
+    in_seq = offs_n < seqlen_k
+    m = tl.load(mask_row + offs_n * stride_mn, mask=in_seq, other=0)
+    if MASK_IS_BOOL:
+        key_mask = (m != 0) & in_seq
+        live = key_mask
+    else:
+        key_mask = m.to(tl.float32) * 1.4426950408889634
+        live = (m.to(tl.float32) != float("-inf")) & in_seq
+    return key_mask, tl.max(live.to(tl.int32), 0)
+
+
+@triton.jit
 def _dkdv_tile_queries_major(
-    dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left, window_right,
-    qk_scale, dropout_threshold, dropout_scale, bh, dqa_ptrs, dqa_mask, sm_scale, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, MASK_DQ: tl.constexpr,
+    dk, dv, k, v, q, do, lse, delta, seed, key_mask, rows, offs_n, n0, seqlen_k, diag, window_left,
+    window_right, qk_scale, dropout_threshold, dropout_scale, bh, dqa_ptrs, dqa_mask, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    MASK_DQ: tl.constexpr,
 ):
     """One (queries, keys) tile of dK/dV with dropout, computed in the forward's orientation.
 
     The keep tile is built in registers only in the (queries, keys) wgmma layout (see _dropout_keep); the
     keys-major loop needed it transposed, a shared-memory conversion of the Philox words per tile. Here
-    P and dS are transposed instead, as the A operands of their two dots (FlashAttention-3 does the same)."""
+    P and dS are transposed instead, as the A operands of their two dots (FlashAttention-3 does the same).
+    A mask here is a query-broadcast one: key_mask is its row for this key block (see _key_block_mask)."""
     qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if HAS_MASK:
+        if MASK_IS_BOOL:
+            qk = tl.where(key_mask[None, :], qk, float("-inf"))
+        else:
+            qk = qk + key_mask[None, :]
     if BOUNDARY:
         visible = _visible(rows[:, None], offs_n[None, :], seqlen_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
@@ -155,6 +193,7 @@ def _dkdv_inner(
     delta_ptrs,
     dqa_ptrs,
     seed,
+    key_mask,
     stride_qm,
     stride_dom,
     stride_mm,
@@ -182,6 +221,7 @@ def _dkdv_inner(
     BLOCK_N: tl.constexpr,
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_1D: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -207,16 +247,23 @@ def _dkdv_inner(
         else:
             lse = tl.load(lse_ptrs + rows * stride_lm)
             delta = tl.load(delta_ptrs + rows)
-        if HAS_DROPOUT and not HAS_MASK and not STORE_DBIAS:  # the mask paths stay keys-major (below)
+        # full mask tiles and dS stores stay keys-major (below)
+        if HAS_DROPOUT and (MASK_1D or not HAS_MASK) and not STORE_DBIAS:
             dk, dv = _dkdv_tile_queries_major(
-                dk, dv, k, v, q, do, lse, delta, seed, rows, offs_n, n0, seqlen_k, diag, window_left,
-                window_right, qk_scale, dropout_threshold, dropout_scale, bh, dqa_rows, qmask, sm_scale,
-                BLOCK_M, BLOCK_N, BOUNDARY, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, MASK_Q,
+                dk, dv, k, v, q, do, lse, delta, seed, key_mask, rows, offs_n, n0, seqlen_k, diag,
+                window_left, window_right, qk_scale, dropout_threshold, dropout_scale, bh, dqa_rows, qmask,
+                sm_scale, BLOCK_M, BLOCK_N, BOUNDARY, HAS_MASK, MASK_IS_BOOL, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ,
+                MASK_Q,
             )
         else:
             # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
             qkT = tl.dot(k, tl.trans(q)) * qk_scale
-            if HAS_MASK:
+            if HAS_MASK and MASK_1D:
+                if MASK_IS_BOOL:
+                    qkT = tl.where(key_mask[:, None], qkT, float("-inf"))
+                else:
+                    qkT = qkT + key_mask[:, None]
+            elif HAS_MASK:
                 if BOUNDARY:
                     bias = tl.load(
                         mask_ptrs + start_m * stride_mm,
@@ -447,6 +494,18 @@ def _attention_bwd_dkdv_kernel(
             row0 = h.to(tl.int64) * DELTA_SEQ + q_start
         delta_ptrs = DELTA + row0
         dqa_ptrs = DQ_ACC + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+        key_mask = 0
+        g_full_lo = full_lo
+        g_full_hi = full_hi
+        g_hi = hi
+        if MASK_1D:
+            # one load of this head's mask row for the whole block; a block of keys that every query ignores
+            # has dK = dV = 0 and no share of dQ or dS (see _live_key_range): its query loops are skipped
+            key_mask, live = _key_block_mask(MASK + b.to(tl.int64) * stride_mb + h * stride_mh, stride_mn,
+                                             offs_n, seqlen_k, MASK_IS_BOOL)
+            g_full_lo = lo + (full_lo - lo) * live
+            g_full_hi = lo + (full_hi - lo) * live
+            g_hi = lo + (hi - lo) * live
         dk, dv = _dkdv_inner(
             dk,
             dv,
@@ -460,6 +519,7 @@ def _attention_bwd_dkdv_kernel(
             delta_ptrs,
             dqa_ptrs,
             seed,
+            key_mask,
             stride_qm,
             stride_dom,
             stride_mm,
@@ -470,7 +530,7 @@ def _attention_bwd_dkdv_kernel(
             offs_d,
             n0,
             lo,
-            full_lo,
+            g_full_lo,
             seqlen_q,
             seqlen_k,
             diag,
@@ -487,6 +547,7 @@ def _attention_bwd_dkdv_kernel(
             BLOCK_N,
             True,
             HAS_MASK,
+            MASK_1D,
             MASK_IS_BOOL,
             STORE_DBIAS,
             HAS_DROPOUT,
@@ -508,6 +569,7 @@ def _attention_bwd_dkdv_kernel(
             delta_ptrs,
             dqa_ptrs,
             seed,
+            key_mask,
             stride_qm,
             stride_dom,
             stride_mm,
@@ -517,8 +579,8 @@ def _attention_bwd_dkdv_kernel(
             offs_n,
             offs_d,
             n0,
-            full_lo,
-            full_hi,
+            g_full_lo,
+            g_full_hi,
             seqlen_q,
             seqlen_k,
             diag,
@@ -535,6 +597,7 @@ def _attention_bwd_dkdv_kernel(
             BLOCK_N,
             False,
             HAS_MASK,
+            MASK_1D,
             MASK_IS_BOOL,
             STORE_DBIAS,
             HAS_DROPOUT,
@@ -556,6 +619,7 @@ def _attention_bwd_dkdv_kernel(
             delta_ptrs,
             dqa_ptrs,
             seed,
+            key_mask,
             stride_qm,
             stride_dom,
             stride_mm,
@@ -565,8 +629,8 @@ def _attention_bwd_dkdv_kernel(
             offs_n,
             offs_d,
             n0,
-            full_hi,
-            hi,
+            g_full_hi,
+            g_hi,
             seqlen_q,
             seqlen_k,
             diag,
@@ -583,6 +647,7 @@ def _attention_bwd_dkdv_kernel(
             BLOCK_N,
             True,
             HAS_MASK,
+            MASK_1D,
             MASK_IS_BOOL,
             STORE_DBIAS,
             HAS_DROPOUT,
@@ -847,6 +912,10 @@ def _attention_bwd_dq_kernel(
         hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
         fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
         full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
+    if MASK_1D:
+        mask_row = MASK + b.to(tl.int64) * stride_mb + h * stride_mh
+        lo, hi = _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N, MASK_IS_BOOL,
+                                 LIVE_SCAN_CHUNK)
     hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
     full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
     full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
@@ -1042,7 +1111,7 @@ def _launch_backward(
     mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     common = dict(
         HAS_MASK=has_mask,
-        MASK_1D=has_mask and m_s[2] == 0,
+        MASK_1D=has_mask and m_s[2] == 0,  # stride 0 over queries: mask_is_query_broadcast
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_VARLEN=varlen,

@@ -103,6 +103,38 @@ def _visible(queries, keys, seqlen_k, diag, window_left, window_right, HAS_LEFT:
     return visible
 
 
+# Keys a query-broadcast mask row is scanned for, per load (see _live_key_range).
+LIVE_SCAN_CHUNK = tl.constexpr(1024)
+
+
+@triton.jit
+def _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Narrow the key-block range [lo, hi) to the keys a query-broadcast (B, H, 1, Sk) mask row lets
+    through: from the block of its first live key to its last live key + 1 (an empty range when none is).
+
+    A dead key (False, or an additive -inf) has p = exp(-inf) = 0 for every query and leaves the running
+    max alone, so a block of dead keys adds exactly nothing to the output, the logsumexp or any gradient:
+    skipping it is bitwise the same result. Padding masks (BERT: right padding, generation: left padding)
+    end or start with such a run. An additive mask of finite values (finfo.min) is never skipped: a row
+    whose keys are all masked that way is a uniform average, not zeros."""
+    first = seqlen_k
+    last = -1
+    for start in range(0, seqlen_k, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        in_seq = cols < seqlen_k
+        m = tl.load(mask_row + cols * stride_mn, mask=in_seq, other=0)
+        if MASK_IS_BOOL:
+            live = (m != 0) & in_seq
+        else:
+            live = (m.to(tl.float32) != float("-inf")) & in_seq
+        first = tl.minimum(first, tl.min(tl.where(live, cols, seqlen_k), 0))
+        last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
+    lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(tl.minimum(hi, last + 1), lo)
+    return lo, hi
+
+
 @triton.jit
 def _attention_fwd_inner(
     acc,
@@ -303,6 +335,10 @@ def _attention_fwd_kernel(
     if HAS_RIGHT:
         hi = tl.minimum(m0 + BLOCK_M - 1 + diag + window_right + 1, seqlen_k)
         full_hi = tl.minimum(full_hi, ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N)
+    if MASK_1D:
+        mask_row = MASK + b.to(tl.int64) * stride_mb + h * stride_mh
+        lo, hi = _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N, MASK_IS_BOOL,
+                                 LIVE_SCAN_CHUNK)
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -476,15 +512,17 @@ def _launch(
     launch,
 ):
     D = q.shape[-1]
-    block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, attn_mask is not None, config,
+    dummy = q.new_empty(1)  # stands for absent optional pointers; never read
+    mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
+    mask_1d = has_mask and m_strides[2] == 0
+    # a query-broadcast mask is one vector load per key block: the no-mask tiles fit in shared memory
+    block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, has_mask and not mask_1d, config,
                                                          has_dropout=dropout_p > 0.0)
     if dropout_p > 0.0 and block_n % DROPOUT_KEY_SPAN:
         raise ValueError(
             f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
             f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_n}"
         )
-    dummy = q.new_empty(1)  # stands for absent optional pointers; never read
-    mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
     launch(_attention_fwd_kernel)[grid](
         q,
@@ -516,7 +554,7 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HAS_MASK=has_mask,
-        MASK_1D=has_mask and m_strides[2] == 0,
+        MASK_1D=mask_1d,
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_VARLEN=cu_q is not None,
