@@ -6,7 +6,9 @@
 The rewrites run as Inductor's pre-grad custom pass, on the Torch IR dynamo hands us, so the fused
 ops enter AOTAutograd with their registered autograd (training and inference alike). What no pattern
 matches is compiled by Inductor exactly as ``backend="inductor"`` would, with the same modes and
-options. Without a GPU the fused ops run their plain-PyTorch reference implementation.
+options, with one exception: Inductor's coalescing tiling analysis is off (flash_backend/config.py says
+why and how to turn it back on). Without a GPU the fused ops run their plain-PyTorch reference
+implementation.
 """
 
 from __future__ import annotations
@@ -17,10 +19,25 @@ import torch
 
 log = logging.getLogger("flash_backend")
 
+_COALESCE_TILING = "triton.coalesce_tiling_analysis"
+
+
+def _has_inductor_option(name: str) -> bool:
+    """Whether this torch's Inductor config has the (dotted) option: older releases lack newer ones."""
+    from fx_passes._compat import inductor_config
+
+    node = inductor_config
+    for part in name.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
 
 def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                   options: dict | None = None):
     from flash_backend import _ttir_memo
+    from flash_backend import config as flash_config
     from fx_passes import FlashGraphPass
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
 
@@ -28,8 +45,10 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     config_patches: dict = {}
     if mode is not None and mode != "default":
         config_patches.update(list_mode_options(mode))
+    if not flash_config.inductor_coalesce_tiling_analysis and _has_inductor_option(_COALESCE_TILING):
+        config_patches[_COALESCE_TILING] = False  # why: flash_backend/config.py
     if options:
-        config_patches.update(options)
+        config_patches.update(options)  # the caller's options win
     user_pass = config_patches.get("pre_grad_custom_pass", inductor_config.pre_grad_custom_pass)
     config_patches["pre_grad_custom_pass"] = FlashGraphPass(chained=user_pass)
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))

@@ -85,6 +85,30 @@ def test_modes_and_options_are_forwarded():
         torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.parametrize("switch,options,expected", [
+    (False, None, False),  # the default: the analysis is off (flash_backend/config.py says why)
+    (True, None, None),  # switched back on: Inductor's own default, untouched
+    (False, {"triton.coalesce_tiling_analysis": True}, True),  # the caller's options win
+])
+def test_coalesce_tiling_analysis_patch(monkeypatch, switch, options, expected):
+    from flash_backend import backend, config
+
+    if not backend._has_inductor_option(backend._COALESCE_TILING):
+        pytest.skip("this torch's Inductor has no coalescing tiling analysis")
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches):
+        seen.update(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(config, "inductor_coalesce_tiling_analysis", switch)
+    monkeypatch.setattr(fx_passes._compat, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(_Mlp())
+    flash_backend_fn(gm, [torch.randn(2, 16)], options=options)
+    assert seen.get(backend._COALESCE_TILING) == expected
+    assert "pre_grad_custom_pass" in seen
+
+
 def test_user_pre_grad_pass_still_runs():
     seen = []
 
