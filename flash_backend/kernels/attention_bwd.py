@@ -16,7 +16,7 @@ dK/dV kernel computes its tiles in that orientation and transposes P and dS into
 (_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask that varies
 over queries or a bias gradient it stays keys-major and transposes the keep tile.
 A query-broadcast (padding) mask is loaded once per key block, and blocks of keys it masks for every
-query are skipped (_live_key_range, _key_block_mask): they contribute exactly zero.
+query are skipped (attention_fwd._mask_key_range_kernel, _key_block_mask): they contribute exactly zero.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from flash_backend.kernels.attention_fwd import (
-    LIVE_SCAN_CHUNK,
     LOG2E,
     _dropout_keep,
-    _live_key_range,
+    _narrow_to_key_range,
     _visible,
     head_dim_bucket,
+    mask_key_ranges,
 )
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
@@ -500,7 +500,8 @@ def _attention_bwd_dkdv_kernel(
         g_hi = hi
         if MASK_1D:
             # one load of this head's mask row for the whole block; a block of keys that every query ignores
-            # has dK = dV = 0 and no share of dQ or dS (see _live_key_range): its query loops are skipped
+            # has dK = dV = 0 and no share of dQ or dS (see attention_fwd._mask_key_range_kernel): its query
+            # loops are skipped
             key_mask, live = _key_block_mask(MASK + b.to(tl.int64) * stride_mb + h * stride_mh, stride_mn,
                                              offs_n, seqlen_k, MASK_IS_BOOL)
             g_full_lo = lo + (full_lo - lo) * live
@@ -697,6 +698,8 @@ def _dq_inner(
     lo,
     hi,
     seqlen_k,
+    key_lo,
+    key_hi,
     diag,
     window_left,
     window_right,
@@ -711,6 +714,7 @@ def _dq_inner(
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    KEY_LO: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
@@ -735,9 +739,11 @@ def _dq_inner(
                 qk = tl.where(bias, qk, float("-inf"))
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
-        if BOUNDARY:
-            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
+        if BOUNDARY:  # keys from key_hi on (and below key_lo): see attention_fwd._attention_fwd_inner
+            visible = _visible(offs_m[:, None], cols[None, :], key_hi, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
+            if KEY_LO:
+                visible = visible & (cols[None, :] >= key_lo)
             qk = tl.where(visible, qk, float("-inf"))
         p = tl.math.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
@@ -747,6 +753,36 @@ def _dq_inner(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+    offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+    dropout_threshold, dropout_scale, bh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, KEY_LO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """All key blocks of a query block, as attention_fwd._attention_fwd_blocks."""
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+        offs_n, offs_d, lo, full_lo, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK,
+        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+        offs_n, offs_d, full_lo, full_hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK,
+        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+    )
+    return _dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+        offs_n, offs_d, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK,
+        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+    )
 
 
 @triton.jit
@@ -762,6 +798,7 @@ def _attention_bwd_dq_kernel(
     DQ,
     CU_Q,
     CU_K,
+    KEY_RANGE,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -778,6 +815,8 @@ def _attention_bwd_dq_kernel(
     stride_mh,
     stride_mm,
     stride_mn,  # mask, 0 on broadcast dims
+    stride_rb,
+    stride_rh,  # KEY_RANGE (attention_fwd.mask_key_ranges)
     stride_dob,
     stride_doh,
     stride_dom,
@@ -912,10 +951,12 @@ def _attention_bwd_dq_kernel(
         hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
         fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
         full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
+    key_lo = 0
+    key_hi = seqlen_k
+    dense = 0
     if MASK_1D:
-        mask_row = MASK + b.to(tl.int64) * stride_mb + h * stride_mh
-        lo, hi = _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N, MASK_IS_BOOL,
-                                 LIVE_SCAN_CHUNK)
+        key_lo, key_hi, dense, lo, hi, full_lo, full_hi = _narrow_to_key_range(
+            KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
     full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
     full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
@@ -923,120 +964,28 @@ def _attention_bwd_dq_kernel(
     full_hi = full_hi + (hi - full_hi) * (full_hi > hi).to(tl.int32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        lo,
-        full_lo,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        dropout_scale,
-        pid_bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        1,
-    )
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        full_lo,
-        full_hi,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        dropout_scale,
-        pid_bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        False,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        NUM_STAGES,
-    )
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        full_hi,
-        hi,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        dropout_scale,
-        pid_bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        1,
-    )
+    if MASK_1D:
+        if dense:  # the mask is its key range: no mask loads at all
+            dq = _dq_blocks(
+                dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn,
+                offs_m, offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+                window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
+                BLOCK_N, False, MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+            )
+        else:
+            dq = _dq_blocks(
+                dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn,
+                offs_m, offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+                window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
+                BLOCK_N, True, MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+            )
+    else:
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+            offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+            window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
+            BLOCK_N, HAS_MASK, MASK_IS_BOOL, False, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+        )
     dq = dq * sm_scale
     tl.store(
         DQ
@@ -1177,6 +1126,9 @@ def _launch_backward(
         # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
         dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
         return
+    key_ranges, r_s = dummy, (0, 0)
+    if common["MASK_1D"]:
+        key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)
     bm, bn, warps, stages = dq_cfg
     launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
         q,
@@ -1190,10 +1142,12 @@ def _launch_backward(
         dq,
         cu_q_t,
         cu_k_t,
+        key_ranges,
         *q_s,
         *k_s,
         *v_s,
         *m_s,
+        *r_s,
         *do_s,
         *l_s,
         *dq_s,

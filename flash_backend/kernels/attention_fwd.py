@@ -103,36 +103,79 @@ def _visible(queries, keys, seqlen_k, diag, window_left, window_right, HAS_LEFT:
     return visible
 
 
-# Keys a query-broadcast mask row is scanned for, per load (see _live_key_range).
-LIVE_SCAN_CHUNK = tl.constexpr(1024)
+# Keys of a query-broadcast mask row read per load by _mask_key_range_kernel.
+KEY_RANGE_CHUNK = 1024
 
 
 @triton.jit
-def _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    """Narrow the key-block range [lo, hi) to the keys a query-broadcast (B, H, 1, Sk) mask row lets
-    through: from the block of its first live key to its last live key + 1 (an empty range when none is).
+def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seqlen_k,
+                           MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr):
+    """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi, dense), the keys from its
+    first live key to its last live key + 1 and whether the mask does nothing else (no dead key inside
+    [lo, hi), and an additive mask 0 there). A dead key is False, or an additive -inf.
 
-    A dead key (False, or an additive -inf) has p = exp(-inf) = 0 for every query and leaves the running
-    max alone, so a block of dead keys adds exactly nothing to the output, the logsumexp or any gradient:
-    skipping it is bitwise the same result. Padding masks (BERT: right padding, generation: left padding)
-    end or start with such a run. An additive mask of finite values (finfo.min) is never skipped: a row
-    whose keys are all masked that way is a uniform average, not zeros."""
+    Why: a dead key has p = exp(-inf) = 0 for every query and leaves the running max alone, so key blocks
+    outside [lo, hi) add exactly nothing to the output, the logsumexp or any gradient, and are skipped
+    (bitwise the same result); padding masks (right padding as BERT's, left padding as generation's) are
+    such runs. And a dense row is just the key range: the attention kernels then load no mask at all (a
+    per-block load of a bool row is a synchronous load in the pipelined loop: +27 % forward time at
+    BERT's shape on an H200). One program per row, once per launcher call: scanning the row in every
+    attention program cost more (+45 %) than the blocks it skipped. An additive mask of finite values
+    (finfo.min) is live everywhere: a row masked that way is a uniform average, not zeros."""
+    row = tl.program_id(0)
+    mask_row = MASK + (row // HM).to(tl.int64) * stride_mb + (row % HM) * stride_mh
     first = seqlen_k
     last = -1
+    n_live = 0
+    n_plain = 0
     for start in range(0, seqlen_k, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         in_seq = cols < seqlen_k
         m = tl.load(mask_row + cols * stride_mn, mask=in_seq, other=0)
         if MASK_IS_BOOL:
             live = (m != 0) & in_seq
+            plain = live
         else:
             live = (m.to(tl.float32) != float("-inf")) & in_seq
+            plain = live & (m.to(tl.float32) == 0.0)
         first = tl.minimum(first, tl.min(tl.where(live, cols, seqlen_k), 0))
         last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
-    lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
-    hi = tl.maximum(tl.minimum(hi, last + 1), lo)
-    return lo, hi
+        n_live += tl.sum(live.to(tl.int32), 0)
+        n_plain += tl.sum(plain.to(tl.int32), 0)
+    lo = tl.where(n_live == 0, 0, first)
+    hi = last + 1
+    dense = (n_live == hi - lo) & (n_plain == n_live)
+    tl.store(RANGE + row * 3, lo)
+    tl.store(RANGE + row * 3 + 1, hi)
+    tl.store(RANGE + row * 3 + 2, dense.to(tl.int32))
+
+
+def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch):
+    """The (rows, 3) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
+    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in rows."""
+    bm, hm = mask.shape[0], mask.shape[1]
+    ranges = torch.empty((bm * hm, 3), dtype=torch.int32, device=mask.device)
+    launch(_mask_key_range_kernel)[(bm * hm,)](
+        mask, ranges, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k,
+        MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, num_warps=4,
+    )
+    return ranges, (3 * hm if bm > 1 else 0, 3 if hm > 1 else 0)
+
+
+@triton.jit
+def _narrow_to_key_range(KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi,
+                         BLOCK_N: tl.constexpr):
+    """The key-block bounds of a program intersected with its mask row's live range (see
+    _mask_key_range_kernel): blocks outside it are skipped, blocks it cuts need element masks."""
+    kr = KEY_RANGE + b * stride_rb + h * stride_rh
+    key_lo = tl.load(kr)
+    key_hi = tl.load(kr + 1)
+    dense = tl.load(kr + 2)
+    lo = tl.maximum(lo, (key_lo // BLOCK_N) * BLOCK_N)
+    hi = tl.maximum(tl.minimum(hi, key_hi), lo)
+    full_lo = tl.maximum(full_lo, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N)
+    full_hi = tl.minimum(full_hi, (key_hi // BLOCK_N) * BLOCK_N)
+    return key_lo, key_hi, dense, lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -154,6 +197,8 @@ def _attention_fwd_inner(
     lo,
     hi,
     seqlen_k,
+    key_lo,
+    key_hi,
     diag,
     window_left,
     window_right,
@@ -167,11 +212,14 @@ def _attention_fwd_inner(
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
+    KEY_LO: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    """Key blocks [lo, hi) of one query block. Keys at or past key_hi (<= seqlen_k), and below key_lo when
+    KEY_LO, are invisible: the live range of a padding mask (_mask_key_range_kernel)."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + offs_n
         if BOUNDARY or HEAD_DIM != BLOCK_D:
@@ -192,8 +240,10 @@ def _attention_fwd_inner(
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
         if BOUNDARY:
-            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
+            visible = _visible(offs_m[:, None], cols[None, :], key_hi, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
+            if KEY_LO:
+                visible = visible & (cols[None, :] >= key_lo)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -209,6 +259,37 @@ def _attention_fwd_inner(
 
 
 @triton.jit
+def _attention_fwd_blocks(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+    offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+    dropout_threshold, bh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, KEY_LO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """All key blocks of a query block: [lo, full_lo) and [full_hi, hi) with element masks, the pipelined
+    [full_lo, full_hi) without."""
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+        offs_d, lo, full_lo, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+    )
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+        offs_d, full_lo, full_hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+    )
+    return _attention_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+        offs_d, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+    )
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,
     K,
@@ -218,7 +299,8 @@ def _attention_fwd_kernel(
     OUT,
     LSE,
     CU_Q,
-    CU_K,  # tensors; MASK/SEED/CU_* may be dummies (see HAS_*)
+    CU_K,
+    KEY_RANGE,  # tensors; MASK/SEED/CU_*/KEY_RANGE may be dummies (see HAS_*, MASK_1D)
     stride_qb,
     stride_qh,
     stride_qm,
@@ -235,6 +317,8 @@ def _attention_fwd_kernel(
     stride_mh,
     stride_mm,
     stride_mn,  # mask, 0 on broadcast dims
+    stride_rb,
+    stride_rh,  # KEY_RANGE rows of a batch / head (0 when the mask broadcasts there)
     stride_ob,
     stride_oh,
     stride_om,
@@ -335,10 +419,12 @@ def _attention_fwd_kernel(
     if HAS_RIGHT:
         hi = tl.minimum(m0 + BLOCK_M - 1 + diag + window_right + 1, seqlen_k)
         full_hi = tl.minimum(full_hi, ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N)
+    key_lo = 0
+    key_hi = seqlen_k
+    dense = 0
     if MASK_1D:
-        mask_row = MASK + b.to(tl.int64) * stride_mb + h * stride_mh
-        lo, hi = _live_key_range(mask_row, stride_mn, seqlen_k, lo, hi, BLOCK_N, MASK_IS_BOOL,
-                                 LIVE_SCAN_CHUNK)
+        key_lo, key_hi, dense, lo, hi, full_lo, full_hi = _narrow_to_key_range(
+            KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -347,114 +433,28 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bh = pid_bh
-    acc, l_i, m_i = _attention_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        lo,
-        full_lo,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        1,
-    )
-    acc, l_i, m_i = _attention_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        full_lo,
-        full_hi,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        False,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        NUM_STAGES,
-    )
-    acc, l_i, m_i = _attention_fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        mask_ptrs,
-        seed,
-        stride_kn,
-        stride_vn,
-        stride_mn,
-        offs_m,
-        offs_n,
-        offs_d,
-        full_hi,
-        hi,
-        seqlen_k,
-        diag,
-        window_left,
-        window_right,
-        qk_scale,
-        dropout_threshold,
-        bh,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        True,
-        HAS_MASK,
-        MASK_IS_BOOL,
-        HAS_DROPOUT,
-        HAS_LEFT,
-        HAS_RIGHT,
-        1,
-    )
+    if MASK_1D:
+        if dense:  # the mask is its key range: no mask loads at all
+            acc, l_i, m_i = _attention_fwd_blocks(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+                offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+                window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False,
+                MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+            )
+        else:
+            acc, l_i, m_i = _attention_fwd_blocks(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+                offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+                window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True,
+                MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+            )
+    else:
+        acc, l_i, m_i = _attention_fwd_blocks(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+            offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
+            window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK,
+            MASK_IS_BOOL, False, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+        )
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -515,7 +515,7 @@ def _launch(
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     mask_1d = has_mask and m_strides[2] == 0
-    # a query-broadcast mask is one vector load per key block: the no-mask tiles fit in shared memory
+    # a query-broadcast mask is at most one row load per key block: the no-mask tiles fit in shared memory
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, has_mask and not mask_1d, config,
                                                          has_dropout=dropout_p > 0.0)
     if dropout_p > 0.0 and block_n % DROPOUT_KEY_SPAN:
@@ -523,6 +523,9 @@ def _launch(
             f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
             f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_n}"
         )
+    key_ranges, r_strides = dummy, (0, 0)
+    if mask_1d:
+        key_ranges, r_strides = mask_key_ranges(attn_mask, m_strides, seq_k, mask_is_bool, launch)
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
     launch(_attention_fwd_kernel)[grid](
         q,
@@ -534,10 +537,12 @@ def _launch(
         lse,
         cu_q if cu_q is not None else dummy,
         cu_k if cu_k is not None else dummy,
+        key_ranges,
         *q_strides,
         *k_strides,
         *v_strides,
         *m_strides,
+        *r_strides,
         *o_strides,
         *l_strides,
         H,
