@@ -311,12 +311,10 @@ INTERPRET_CASES = {
 def _padding_mask(kind: str, B: int, Sk: int, dtype=torch.float16) -> torch.Tensor:
     """(B, 1, 1, Sk) masks whose dead keys fill whole 32-key blocks in some rows: right padding (keys
     65..99), left padding (0..62), a dead block in the middle (32..63, live keys on both sides), and a row
-    with no live key: zeros for a bool mask. A bool mask's contiguous rows are dense (the kernels apply
-    them as a key range and load no mask), the row with two islands is not. Additive masks carry -inf on
-    dead keys and random finite values on live ones ("additive": never dense) or zeros ("additive_zero":
-    dense where contiguous), and their last row is one finite value everywhere, as transformers' finfo.min
-    rows: a plain softmax, never skipped (-30 here: at finfo.min, fp32 keeps too few bits of score + mask
-    for the kernel and the reference to round alike)."""
+    with no live key: zeros for a bool mask. Additive masks carry -inf on dead keys and random finite
+    values ("additive") or zeros ("additive_zero") on live ones, and their last row is one finite value
+    everywhere, as transformers' finfo.min rows: a plain softmax, never skipped (-30 here: at finfo.min,
+    fp32 keeps too few bits of score + mask for the kernel and the reference to round alike)."""
     live = torch.zeros(B, Sk, dtype=torch.bool)
     live[0, :65] = True  # the last live key opens a block, the first live key ends one:
     live[1, 63:] = True  # a range off by one key loses a whole block

@@ -698,8 +698,6 @@ def _dq_inner(
     lo,
     hi,
     seqlen_k,
-    key_lo,
-    key_hi,
     diag,
     window_left,
     window_right,
@@ -714,7 +712,6 @@ def _dq_inner(
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
-    KEY_LO: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
@@ -739,11 +736,9 @@ def _dq_inner(
                 qk = tl.where(bias, qk, float("-inf"))
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
-        if BOUNDARY:  # keys from key_hi on (and below key_lo): see attention_fwd._attention_fwd_inner
-            visible = _visible(offs_m[:, None], cols[None, :], key_hi, diag, window_left, window_right,
+        if BOUNDARY:
+            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
-            if KEY_LO:
-                visible = visible & (cols[None, :] >= key_lo)
             qk = tl.where(visible, qk, float("-inf"))
         p = tl.math.exp2(qk - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
@@ -758,30 +753,30 @@ def _dq_inner(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
-    offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+    offs_d, lo, full_lo, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
     dropout_threshold, dropout_scale, bh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, KEY_LO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """All key blocks of a query block, as attention_fwd._attention_fwd_blocks."""
     dq = _dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-        offs_n, offs_d, lo, full_lo, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        offs_n, offs_d, lo, full_lo, seqlen_k, diag, window_left, window_right, qk_scale,
         dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK,
-        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+        MASK_IS_BOOL, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
     )
     dq = _dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-        offs_n, offs_d, full_lo, full_hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        offs_n, offs_d, full_lo, full_hi, seqlen_k, diag, window_left, window_right, qk_scale,
         dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK,
-        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+        MASK_IS_BOOL, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
     )
     return _dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-        offs_n, offs_d, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+        offs_n, offs_d, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
         dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK,
-        MASK_IS_BOOL, KEY_LO, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
+        MASK_IS_BOOL, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
     )
 
 
@@ -951,11 +946,8 @@ def _attention_bwd_dq_kernel(
         hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
         fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
         full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
-    key_lo = 0
-    key_hi = seqlen_k
-    dense = 0
     if MASK_1D:
-        key_lo, key_hi, dense, lo, hi, full_lo, full_hi = _narrow_to_key_range(
+        lo, hi, full_lo, full_hi = _narrow_to_key_range(
             KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
     full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
@@ -964,28 +956,12 @@ def _attention_bwd_dq_kernel(
     full_hi = full_hi + (hi - full_hi) * (full_hi > hi).to(tl.int32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if MASK_1D:
-        if dense:  # the mask is its key range: no mask loads at all
-            dq = _dq_blocks(
-                dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn,
-                offs_m, offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-                window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
-                BLOCK_N, False, MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-            )
-        else:
-            dq = _dq_blocks(
-                dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn,
-                offs_m, offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-                window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
-                BLOCK_N, True, MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-            )
-    else:
-        dq = _dq_blocks(
-            dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-            offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-            window_right, qk_scale, dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M,
-            BLOCK_N, HAS_MASK, MASK_IS_BOOL, False, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-        )
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
+        offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
+        dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_IS_BOOL,
+        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+    )
     dq = dq * sm_scale
     tl.store(
         DQ

@@ -110,72 +110,59 @@ KEY_RANGE_CHUNK = 1024
 @triton.jit
 def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seqlen_k,
                            MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr):
-    """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi, dense), the keys from its
-    first live key to its last live key + 1 and whether the mask does nothing else (no dead key inside
-    [lo, hi), and an additive mask 0 there). A dead key is False, or an additive -inf.
+    """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi), its first live key and
+    its last live key + 1 ((0, 0) when none is). A dead key is False, or an additive -inf.
 
     Why: a dead key has p = exp(-inf) = 0 for every query and leaves the running max alone, so key blocks
     outside [lo, hi) add exactly nothing to the output, the logsumexp or any gradient, and are skipped
     (bitwise the same result); padding masks (right padding as BERT's, left padding as generation's) are
-    such runs. And a dense row is just the key range: the attention kernels then load no mask at all (a
-    per-block load of a bool row is a synchronous load in the pipelined loop: +27 % forward time at
-    BERT's shape on an H200). One program per row, once per launcher call: scanning the row in every
-    attention program cost more (+45 %) than the blocks it skipped. An additive mask of finite values
-    (finfo.min) is live everywhere: a row masked that way is a uniform average, not zeros."""
+    such runs. One program per row, once per launch: scanning the row in every attention program instead
+    cost more than the blocks it skipped (+45 % forward time at BERT's shape on an H200). An additive mask
+    of finite values (finfo.min) is live everywhere: a row masked that way is a uniform average, not 0."""
     row = tl.program_id(0)
     mask_row = MASK + (row // HM).to(tl.int64) * stride_mb + (row % HM) * stride_mh
     first = seqlen_k
     last = -1
-    n_live = 0
-    n_plain = 0
     for start in range(0, seqlen_k, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         in_seq = cols < seqlen_k
         m = tl.load(mask_row + cols * stride_mn, mask=in_seq, other=0)
         if MASK_IS_BOOL:
             live = (m != 0) & in_seq
-            plain = live
         else:
             live = (m.to(tl.float32) != float("-inf")) & in_seq
-            plain = live & (m.to(tl.float32) == 0.0)
         first = tl.minimum(first, tl.min(tl.where(live, cols, seqlen_k), 0))
         last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
-        n_live += tl.sum(live.to(tl.int32), 0)
-        n_plain += tl.sum(plain.to(tl.int32), 0)
-    lo = tl.where(n_live == 0, 0, first)
-    hi = last + 1
-    dense = (n_live == hi - lo) & (n_plain == n_live)
-    tl.store(RANGE + row * 3, lo)
-    tl.store(RANGE + row * 3 + 1, hi)
-    tl.store(RANGE + row * 3 + 2, dense.to(tl.int32))
+    tl.store(RANGE + row * 2, tl.where(last < 0, 0, first))
+    tl.store(RANGE + row * 2 + 1, last + 1)
 
 
 def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch):
-    """The (rows, 3) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
-    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in rows."""
+    """The (rows, 2) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
+    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in elements."""
     bm, hm = mask.shape[0], mask.shape[1]
-    ranges = torch.empty((bm * hm, 3), dtype=torch.int32, device=mask.device)
+    ranges = torch.empty((bm * hm, 2), dtype=torch.int32, device=mask.device)
     launch(_mask_key_range_kernel)[(bm * hm,)](
         mask, ranges, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k,
         MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, num_warps=4,
     )
-    return ranges, (3 * hm if bm > 1 else 0, 3 if hm > 1 else 0)
+    return ranges, (2 * hm if bm > 1 else 0, 2 if hm > 1 else 0)
 
 
 @triton.jit
 def _narrow_to_key_range(KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi,
                          BLOCK_N: tl.constexpr):
     """The key-block bounds of a program intersected with its mask row's live range (see
-    _mask_key_range_kernel): blocks outside it are skipped, blocks it cuts need element masks."""
+    _mask_key_range_kernel): blocks outside it are skipped. The mask itself is still applied to every
+    visited block (a hole inside the range, finite additive values)."""
     kr = KEY_RANGE + b * stride_rb + h * stride_rh
     key_lo = tl.load(kr)
     key_hi = tl.load(kr + 1)
-    dense = tl.load(kr + 2)
     lo = tl.maximum(lo, (key_lo // BLOCK_N) * BLOCK_N)
     hi = tl.maximum(tl.minimum(hi, key_hi), lo)
     full_lo = tl.maximum(full_lo, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N)
     full_hi = tl.minimum(full_hi, (key_hi // BLOCK_N) * BLOCK_N)
-    return key_lo, key_hi, dense, lo, hi, full_lo, full_hi
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -197,8 +184,6 @@ def _attention_fwd_inner(
     lo,
     hi,
     seqlen_k,
-    key_lo,
-    key_hi,
     diag,
     window_left,
     window_right,
@@ -212,14 +197,11 @@ def _attention_fwd_inner(
     BOUNDARY: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
-    KEY_LO: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Key blocks [lo, hi) of one query block. Keys at or past key_hi (<= seqlen_k), and below key_lo when
-    KEY_LO, are invisible: the live range of a padding mask (_mask_key_range_kernel)."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + offs_n
         if BOUNDARY or HEAD_DIM != BLOCK_D:
@@ -240,10 +222,8 @@ def _attention_fwd_inner(
             else:
                 qk = qk + bias.to(tl.float32) * 1.4426950408889634
         if BOUNDARY:
-            visible = _visible(offs_m[:, None], cols[None, :], key_hi, diag, window_left, window_right,
+            visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
-            if KEY_LO:
-                visible = visible & (cols[None, :] >= key_lo)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -261,30 +241,30 @@ def _attention_fwd_inner(
 @triton.jit
 def _attention_fwd_blocks(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
-    offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
+    offs_d, lo, full_lo, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
     dropout_threshold, bh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, KEY_LO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """All key blocks of a query block: [lo, full_lo) and [full_hi, hi) with element masks, the pipelined
     [full_lo, full_hi) without."""
     acc, l_i, m_i = _attention_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
-        offs_d, lo, full_lo, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
-        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        offs_d, lo, full_lo, seqlen_k, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL,
         HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
     )
     acc, l_i, m_i = _attention_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
-        offs_d, full_lo, full_hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
-        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        offs_d, full_lo, full_hi, seqlen_k, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK, MASK_IS_BOOL,
         HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
     )
     return _attention_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
-        offs_d, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left, window_right, qk_scale,
-        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL, KEY_LO,
+        offs_d, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_MASK, MASK_IS_BOOL,
         HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, 1,
     )
 
@@ -419,11 +399,8 @@ def _attention_fwd_kernel(
     if HAS_RIGHT:
         hi = tl.minimum(m0 + BLOCK_M - 1 + diag + window_right + 1, seqlen_k)
         full_hi = tl.minimum(full_hi, ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N)
-    key_lo = 0
-    key_hi = seqlen_k
-    dense = 0
     if MASK_1D:
-        key_lo, key_hi, dense, lo, hi, full_lo, full_hi = _narrow_to_key_range(
+        lo, hi, full_lo, full_hi = _narrow_to_key_range(
             KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
@@ -433,28 +410,12 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bh = pid_bh
-    if MASK_1D:
-        if dense:  # the mask is its key range: no mask loads at all
-            acc, l_i, m_i = _attention_fwd_blocks(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-                offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-                window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False,
-                MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-            )
-        else:
-            acc, l_i, m_i = _attention_fwd_blocks(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-                offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-                window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True,
-                MASK_IS_BOOL, True, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-            )
-    else:
-        acc, l_i, m_i = _attention_fwd_blocks(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
-            offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, key_lo, key_hi, diag, window_left,
-            window_right, qk_scale, dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK,
-            MASK_IS_BOOL, False, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
-        )
+    acc, l_i, m_i = _attention_fwd_blocks(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m, offs_n,
+        offs_d, lo, full_lo, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
+        dropout_threshold, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_IS_BOOL, HAS_DROPOUT,
+        HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+    )
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
