@@ -15,8 +15,8 @@ dropped elements. The keep tile is cheap only in the (queries, keys) orientation
 dK/dV kernel computes its tiles in that orientation and transposes P and dS into the dots instead
 (_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask that varies
 over queries or a bias gradient it stays keys-major and transposes the keep tile.
-A query-broadcast (padding) mask is loaded once per key block, and blocks of keys it masks for every
-query are skipped (attention_fwd._mask_key_range_kernel, _key_block_mask): they contribute exactly zero.
+A query-broadcast (padding) mask is loaded once per key block, and the dK/dV kernel skips the query loops
+of a key block it masks for every query (_key_block_mask): such keys contribute exactly zero.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from torch.library import wrap_triton
 from flash_backend.kernels.attention_fwd import (
     LOG2E,
     _dropout_keep,
-    _narrow_to_key_range,
     _visible,
     head_dim_bucket,
-    mask_key_ranges,
 )
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
@@ -500,8 +498,9 @@ def _attention_bwd_dkdv_kernel(
         g_hi = hi
         if MASK_1D:
             # one load of this head's mask row for the whole block; a block of keys that every query ignores
-            # has dK = dV = 0 and no share of dQ or dS (see attention_fwd._mask_key_range_kernel): its query
-            # loops are skipped
+            # has dK = dV = 0 and no share of dQ or dS: its query loops are skipped. A dead key (False, or an
+            # additive -inf) has p = exp(-inf) = 0 for every query, so skipping is bitwise the same result;
+            # a finite additive mask (finfo.min) is live. Padding masks end (or start) with such blocks.
             key_mask, live = _key_block_mask(MASK + b.to(tl.int64) * stride_mb + h * stride_mh, stride_mn,
                                              offs_n, seqlen_k, MASK_IS_BOOL)
             g_full_lo = lo + (full_lo - lo) * live
@@ -793,7 +792,6 @@ def _attention_bwd_dq_kernel(
     DQ,
     CU_Q,
     CU_K,
-    KEY_RANGE,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -810,8 +808,6 @@ def _attention_bwd_dq_kernel(
     stride_mh,
     stride_mm,
     stride_mn,  # mask, 0 on broadcast dims
-    stride_rb,
-    stride_rh,  # KEY_RANGE (attention_fwd.mask_key_ranges)
     stride_dob,
     stride_doh,
     stride_dom,
@@ -946,9 +942,6 @@ def _attention_bwd_dq_kernel(
         hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
         fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
         full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
-    if MASK_1D:
-        lo, hi, full_lo, full_hi = _narrow_to_key_range(
-            KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
     full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
     full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
@@ -1102,9 +1095,6 @@ def _launch_backward(
         # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
         dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
         return
-    key_ranges, r_s = dummy, (0, 0)
-    if common["MASK_1D"]:
-        key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)
     bm, bn, warps, stages = dq_cfg
     launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
         q,
@@ -1118,12 +1108,10 @@ def _launch_backward(
         dq,
         cu_q_t,
         cu_k_t,
-        key_ranges,
         *q_s,
         *k_s,
         *v_s,
         *m_s,
-        *r_s,
         *do_s,
         *l_s,
         *dq_s,

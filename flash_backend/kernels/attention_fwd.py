@@ -103,68 +103,6 @@ def _visible(queries, keys, seqlen_k, diag, window_left, window_right, HAS_LEFT:
     return visible
 
 
-# Keys of a query-broadcast mask row read per load by _mask_key_range_kernel.
-KEY_RANGE_CHUNK = 1024
-
-
-@triton.jit
-def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seqlen_k,
-                           MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr):
-    """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi), its first live key and
-    its last live key + 1 ((0, 0) when none is). A dead key is False, or an additive -inf.
-
-    Why: a dead key has p = exp(-inf) = 0 for every query and leaves the running max alone, so key blocks
-    outside [lo, hi) add exactly nothing to the output, the logsumexp or any gradient, and are skipped
-    (bitwise the same result); padding masks (right padding as BERT's, left padding as generation's) are
-    such runs. One program per row, once per launch: scanning the row in every attention program instead
-    cost more than the blocks it skipped (+45 % forward time at BERT's shape on an H200). An additive mask
-    of finite values (finfo.min) is live everywhere: a row masked that way is a uniform average, not 0."""
-    row = tl.program_id(0)
-    mask_row = MASK + (row // HM).to(tl.int64) * stride_mb + (row % HM) * stride_mh
-    first = seqlen_k
-    last = -1
-    for start in range(0, seqlen_k, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        in_seq = cols < seqlen_k
-        m = tl.load(mask_row + cols * stride_mn, mask=in_seq, other=0)
-        if MASK_IS_BOOL:
-            live = (m != 0) & in_seq
-        else:
-            live = (m.to(tl.float32) != float("-inf")) & in_seq
-        first = tl.minimum(first, tl.min(tl.where(live, cols, seqlen_k), 0))
-        last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
-    tl.store(RANGE + row * 2, tl.where(last < 0, 0, first))
-    tl.store(RANGE + row * 2 + 1, last + 1)
-
-
-def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch):
-    """The (rows, 2) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
-    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in elements."""
-    bm, hm = mask.shape[0], mask.shape[1]
-    ranges = torch.empty((bm * hm, 2), dtype=torch.int32, device=mask.device)
-    launch(_mask_key_range_kernel)[(bm * hm,)](
-        mask, ranges, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k,
-        MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, num_warps=4,
-    )
-    return ranges, (2 * hm if bm > 1 else 0, 2 if hm > 1 else 0)
-
-
-@triton.jit
-def _narrow_to_key_range(KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi,
-                         BLOCK_N: tl.constexpr):
-    """The key-block bounds of a program intersected with its mask row's live range (see
-    _mask_key_range_kernel): blocks outside it are skipped. The mask itself is still applied to every
-    visited block (a hole inside the range, finite additive values)."""
-    kr = KEY_RANGE + b * stride_rb + h * stride_rh
-    key_lo = tl.load(kr)
-    key_hi = tl.load(kr + 1)
-    lo = tl.maximum(lo, (key_lo // BLOCK_N) * BLOCK_N)
-    hi = tl.maximum(tl.minimum(hi, key_hi), lo)
-    full_lo = tl.maximum(full_lo, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N)
-    full_hi = tl.minimum(full_hi, (key_hi // BLOCK_N) * BLOCK_N)
-    return lo, hi, full_lo, full_hi
-
-
 @triton.jit
 def _attention_fwd_inner(
     acc,
@@ -279,8 +217,7 @@ def _attention_fwd_kernel(
     OUT,
     LSE,
     CU_Q,
-    CU_K,
-    KEY_RANGE,  # tensors; MASK/SEED/CU_*/KEY_RANGE may be dummies (see HAS_*, MASK_1D)
+    CU_K,  # tensors; MASK/SEED/CU_* may be dummies (see HAS_*)
     stride_qb,
     stride_qh,
     stride_qm,
@@ -297,8 +234,6 @@ def _attention_fwd_kernel(
     stride_mh,
     stride_mm,
     stride_mn,  # mask, 0 on broadcast dims
-    stride_rb,
-    stride_rh,  # KEY_RANGE rows of a batch / head (0 when the mask broadcasts there)
     stride_ob,
     stride_oh,
     stride_om,
@@ -399,9 +334,6 @@ def _attention_fwd_kernel(
     if HAS_RIGHT:
         hi = tl.minimum(m0 + BLOCK_M - 1 + diag + window_right + 1, seqlen_k)
         full_hi = tl.minimum(full_hi, ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N)
-    if MASK_1D:
-        lo, hi, full_lo, full_hi = _narrow_to_key_range(
-            KEY_RANGE, b, h, stride_rb, stride_rh, lo, hi, full_lo, full_hi, BLOCK_N)
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -476,7 +408,7 @@ def _launch(
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     mask_1d = has_mask and m_strides[2] == 0
-    # a query-broadcast mask is at most one row load per key block: the no-mask tiles fit in shared memory
+    # a query-broadcast mask is one row load per key block: the no-mask tiles fit in shared memory
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, has_mask and not mask_1d, config,
                                                          has_dropout=dropout_p > 0.0)
     if dropout_p > 0.0 and block_n % DROPOUT_KEY_SPAN:
@@ -484,9 +416,6 @@ def _launch(
             f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
             f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_n}"
         )
-    key_ranges, r_strides = dummy, (0, 0)
-    if mask_1d:
-        key_ranges, r_strides = mask_key_ranges(attn_mask, m_strides, seq_k, mask_is_bool, launch)
     grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
     launch(_attention_fwd_kernel)[grid](
         q,
@@ -498,12 +427,10 @@ def _launch(
         lse,
         cu_q if cu_q is not None else dummy,
         cu_k if cu_k is not None else dummy,
-        key_ranges,
         *q_strides,
         *k_strides,
         *v_strides,
         *m_strides,
-        *r_strides,
         *o_strides,
         *l_strides,
         H,
