@@ -26,12 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.kernels.attention_fwd import (
-    LOG2E,
-    _dropout_keep,
-    _visible,
-    head_dim_bucket,
-)
+from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, _visible, head_dim_bucket
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
