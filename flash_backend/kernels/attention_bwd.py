@@ -26,7 +26,15 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from flash_backend.kernels.attention_fwd import LOG2E, _dropout_keep, _visible, head_dim_bucket
+from flash_backend.kernels.attention_fwd import (
+    LOG2E,
+    _apply_mask,
+    _dropout_keep,
+    _mask_args,
+    _visible,
+    head_dim_bucket,
+    mask_is_query_broadcast,
+)
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -39,11 +47,6 @@ DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
 DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)}
 # The dK/dV kernel when it also accumulates dQ with atomics: only where use_atomic_dq picks it.
 ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
-
-
-def mask_is_query_broadcast(attn_mask) -> bool:
-    """A (B, H, 1, Sk)-like mask (padding): the kernels load one row of it per key block, never a tile."""
-    return attn_mask is not None and (attn_mask.shape[2] == 1 or attn_mask.stride(2) == 0)
 
 
 def use_atomic_dq(head_dim: int, dropout_p: float, mask_tiles: bool, deterministic: bool) -> bool:
@@ -122,17 +125,17 @@ def _add_dq_part(dqa_ptrs, dqa_mask, dq_part, MASK_DQ: tl.constexpr):
 
 @triton.jit
 def _key_block_mask(mask_row, stride_mn, offs_n, seqlen_k, MASK_IS_BOOL: tl.constexpr):
-    """The keys offs_n of a query-broadcast mask row, ready to apply to a score tile (bool, or the additive
-    bias in log2 units), and 1 when any of them is live (not False / -inf), else 0."""
+    """The keys offs_n of a query-broadcast mask row (for _apply_mask), and 1 when any of them is live (not
+    False / -inf), else 0."""
     in_seq = offs_n < seqlen_k
     m = tl.load(mask_row + offs_n * stride_mn, mask=in_seq, other=0)
     if MASK_IS_BOOL:
-        key_mask = (m != 0) & in_seq
-        live = key_mask
+        # once per block: applying the raw loaded row in every tile spilled more (sm_90 ptxas: 144 -> 240 B)
+        m = (m != 0) & in_seq
+        live = m
     else:
-        key_mask = m.to(tl.float32) * 1.4426950408889634
         live = (m.to(tl.float32) != float("-inf")) & in_seq
-    return key_mask, tl.max(live.to(tl.int32), 0)
+    return m, tl.max(live.to(tl.int32), 0)
 
 
 @triton.jit
@@ -151,10 +154,7 @@ def _dkdv_tile_queries_major(
     A mask here is a query-broadcast one: key_mask is its row for this key block (see _key_block_mask)."""
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if HAS_MASK:
-        if MASK_IS_BOOL:
-            qk = tl.where(key_mask[None, :], qk, float("-inf"))
-        else:
-            qk = qk + key_mask[None, :]
+        qk = _apply_mask(qk, key_mask[None, :], MASK_IS_BOOL)
     if BOUNDARY:
         visible = _visible(rows[:, None], offs_n[None, :], seqlen_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
@@ -252,10 +252,7 @@ def _dkdv_inner(
             # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
             qkT = tl.dot(k, tl.trans(q)) * qk_scale
             if HAS_MASK and MASK_1D:
-                if MASK_IS_BOOL:
-                    qkT = tl.where(key_mask[:, None], qkT, float("-inf"))
-                else:
-                    qkT = qkT + key_mask[:, None]
+                qkT = _apply_mask(qkT, key_mask[:, None], MASK_IS_BOOL)
             elif HAS_MASK:
                 if BOUNDARY:
                     bias = tl.load(
@@ -265,10 +262,7 @@ def _dkdv_inner(
                     )
                 else:
                     bias = tl.load(mask_ptrs + start_m * stride_mm)
-                if MASK_IS_BOOL:
-                    qkT = tl.where(bias, qkT, float("-inf"))
-                else:
-                    qkT = qkT + bias.to(tl.float32) * 1.4426950408889634
+                qkT = _apply_mask(qkT, bias, MASK_IS_BOOL)
             if BOUNDARY:
                 visible = _visible(rows[None, :], offs_n[:, None], seqlen_k, diag, window_left, window_right,
                                    HAS_LEFT, HAS_RIGHT)
@@ -726,10 +720,7 @@ def _dq_inner(
                 bias = tl.load(mask_ptrs + start_n * stride_mn, mask=cols[None, :] < seqlen_k, other=0)
             else:
                 bias = tl.load(mask_ptrs + start_n * stride_mn)
-            if MASK_IS_BOOL:
-                qk = tl.where(bias, qk, float("-inf"))
-            else:
-                qk = qk + bias.to(tl.float32) * 1.4426950408889634
+            qk = _apply_mask(qk, bias, MASK_IS_BOOL)
         if BOUNDARY:
             visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
@@ -962,13 +953,6 @@ def _attention_bwd_dq_kernel(
     )
 
 
-def _mask_args(attn_mask, dummy):
-    if attn_mask is None:
-        return dummy, (0, 0, 0, 0), False, False
-    strides = tuple(0 if attn_mask.shape[d] == 1 else attn_mask.stride(d) for d in range(4))
-    return attn_mask, strides, True, attn_mask.dtype == torch.bool
-
-
 def _launch_backward(
     dout,
     q,
@@ -1024,7 +1008,7 @@ def _launch_backward(
     mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     common = dict(
         HAS_MASK=has_mask,
-        MASK_1D=has_mask and m_s[2] == 0,  # stride 0 over queries: mask_is_query_broadcast
+        MASK_1D=mask_is_query_broadcast(attn_mask),
         MASK_IS_BOOL=mask_is_bool,
         HAS_DROPOUT=dropout_p > 0.0,
         IS_VARLEN=varlen,

@@ -89,6 +89,15 @@ def _dropout_keep(
 
 
 @triton.jit
+def _apply_mask(scores, bias, MASK_IS_BOOL: tl.constexpr):
+    """Scores (base-2 units) with an attn_mask tile or row applied, bias already shaped to broadcast into
+    them: a bool mask keeps True, an additive one is added (converted to log2 units)."""
+    if MASK_IS_BOOL:
+        return tl.where(bias, scores, float("-inf"))
+    return scores + bias.to(tl.float32) * 1.4426950408889634
+
+
+@triton.jit
 def _visible(queries, keys, seqlen_k, diag, window_left, window_right, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr):
     """Which (query, key) pairs of a tile may attend (module Conventions): keys inside the sequence and
@@ -155,10 +164,7 @@ def _attention_fwd_inner(
                 bias = tl.load(mask_ptrs + start_n * stride_mn, mask=cols[None, :] < seqlen_k, other=0)
             else:
                 bias = tl.load(mask_ptrs + start_n * stride_mn)
-            if MASK_IS_BOOL:
-                qk = tl.where(bias, qk, float("-inf"))
-            else:
-                qk = qk + bias.to(tl.float32) * 1.4426950408889634
+            qk = _apply_mask(qk, bias, MASK_IS_BOOL)
         if BOUNDARY:
             visible = _visible(offs_m[:, None], cols[None, :], seqlen_k, diag, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT)
@@ -367,6 +373,11 @@ def _attention_fwd_kernel(
     tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
 
 
+def mask_is_query_broadcast(attn_mask) -> bool:
+    """A (B, H, 1, Sk)-like mask (padding): the kernels load one row of it per key block, never a tile."""
+    return attn_mask is not None and (attn_mask.shape[2] == 1 or attn_mask.stride(2) == 0)
+
+
 def _mask_args(attn_mask, dummy):
     if attn_mask is None:
         return dummy, (0, 0, 0, 0), False, False
@@ -407,7 +418,7 @@ def _launch(
     D = q.shape[-1]
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
-    mask_1d = has_mask and m_strides[2] == 0
+    mask_1d = mask_is_query_broadcast(attn_mask)
     # a query-broadcast mask is one row load per key block: the no-mask tiles fit in shared memory
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, has_mask and not mask_1d, config,
                                                          has_dropout=dropout_p > 0.0)

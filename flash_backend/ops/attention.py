@@ -398,11 +398,8 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = _alloc_dbias(q, attn_mask, compute_dbias)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
-        from flash_backend.kernels.attention_bwd import (
-            attention_backward_launch,
-            mask_is_query_broadcast,
-            use_atomic_dq,
-        )
+        from flash_backend.kernels.attention_bwd import attention_backward_launch, use_atomic_dq
+        from flash_backend.kernels.attention_fwd import mask_is_query_broadcast
 
         mask_tiles = attn_mask is not None and (compute_dbias or not mask_is_query_broadcast(attn_mask))
         atomic_dq = use_atomic_dq(q.shape[-1], dropout_p, mask_tiles, deterministic)
