@@ -68,6 +68,9 @@ from fx_passes._match import (
 from fx_passes._report import record_near_miss, record_rewrite
 
 FAMILY = "norm"
+# Before dense (50): with dynamic=True this pass may restart dynamo's analysis (see rewrite()), and a family
+# that ran before it would have counted rewrites of a graph that is then thrown away.
+ORDER = 40
 
 _OP_MODULE = "flash_backend.ops.add_dropout_norm"
 _OP_NAME = "flash.add_dropout_norm"
@@ -236,9 +239,18 @@ def _opmath_eps(dtype: torch.dtype) -> float:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _is_exact_cast(node: object) -> bool:
+    """A cast every value survives: to a dtype that holds all of the source's (bf16 -> fp32, fp16 -> fp64),
+    not merely one as wide (bf16 -> fp16 keeps the width but not the range: 1e5 becomes inf)."""
+    if not _is_cast(node):
+        return False
+    src, dst = tensor_meta(node.args[0]).dtype, tensor_meta(node).dtype
+    return torch.promote_types(src, dst) == dst
+
+
 def _upcast_root(node: object) -> object:
     """node with its exact (precision-keeping) casts stripped: x for x.float().to(torch.float64)."""
-    while _is_cast(node) and tensor_meta(node).dtype.itemsize >= tensor_meta(node.args[0]).dtype.itemsize:
+    while _is_exact_cast(node):
         node = node.args[0]
     return node
 
@@ -246,10 +258,7 @@ def _upcast_root(node: object) -> object:
 def _walk_upcasts(x: torch.fx.Node, pattern: set[torch.fx.Node]) -> list[torch.fx.Node]:
     """Casts above x that only the pattern reads and that do not lose precision, innermost first."""
     casts = []
-    while _is_cast(x) and all(u in pattern for u in x.users):
-        src, dst = tensor_meta(x.args[0]), tensor_meta(x)
-        if dst.dtype.itemsize < src.dtype.itemsize:
-            break
+    while _is_exact_cast(x) and all(u in pattern for u in x.users):
         casts.append(x)
         pattern = pattern | {x}
         x = x.args[0]
