@@ -73,5 +73,6 @@ class FlashGraphPass(CustomGraphPass):
         # switch on must not be served from the cache to a process that has it off.
         from flash_backend import config
 
-        switches = (config.route_sdpa_calls_on_cuda, config.dense_training_on_cuda)
+        switches = (config.route_sdpa_calls_on_cuda, config.dense_training_on_cuda,
+                    config.cross_entropy_on_cuda)
         return (get_hash_for_files(tuple(str(f) for f in files)), chained, switches)

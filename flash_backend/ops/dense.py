@@ -124,18 +124,26 @@ def _extension() -> None:
         _register_cpp_fakes()
 
 
-def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
+def cublaslt_ready(x: Tensor) -> bool:
+    """Whether the cuBLASLt ops can take x's device and dtype (building csrc on first use).
+
+    Also what other ops that call the csrc GEMMs (linear_cross_entropy) ask before using them.
+    """
     global _build_warned
-    if not (x.is_cuda and x.dtype in _CUDA_DTYPES and x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0):
+    if not (x.is_cuda and x.dtype in _CUDA_DTYPES):
         return False
     try:
         _extension()
     except _cpp_build.CppBuildError as e:
         if not _build_warned:
-            warnings.warn(f"{e}\nflash dense: falling back to the PyTorch reference", stacklevel=3)
+            warnings.warn(f"{e}\nflash: falling back to the PyTorch reference", stacklevel=3)
             _build_warned = True
         return False
     return True
+
+
+def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
+    return x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0 and cublaslt_ready(x)
 
 
 def _register_cpp_fakes() -> None:
@@ -147,6 +155,10 @@ def _register_cpp_fakes() -> None:
     @torch.library.register_fake("flash::cublaslt_linear")
     def _(x, weight, bias):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("flash::cublaslt_linear_padded")
+    def _(x, weight, bias, out_row_stride):
+        return x.new_empty_strided((x.shape[0], weight.shape[0]), (out_row_stride, 1))
 
     @torch.library.register_fake("flash::cublaslt_linear_wgrad_bgrad")
     def _(grad, x):

@@ -1,0 +1,323 @@
+"""Linear + cross-entropy, forward and backward: `torch.ops.flash.linear_cross_entropy_fwd` / `_bwd`.
+
+What a language-model head spends, and what this op saves. `F.cross_entropy(F.linear(h, W, b).view(-1, V),
+labels)` with V = 30522 (BERT) or 50257 (GPT-2) classes materialises (M, V) logits, the largest tensor of the
+step, and moves them several times: the bias add, log-softmax forward and backward, and because V is not a
+multiple of 8, Inductor copies the (M, V) gradient into a padded buffer so that the weight- and input-gradient
+GEMMs get 16-byte aligned rows. Here:
+
+- the logits are written once, by the GEMM, into rows padded to a multiple of 8 columns (the returned
+  (..., V) tensor is a view with row stride `padded_classes(V)`, as Inductor's own padded logits are), with
+  the bias added in the GEMM's epilogue (cuBLASLt BIAS, csrc/dense_gelu.cpp);
+- the forward reads them once (one Triton pass: logsumexp, target logit, label smoothing's mean);
+- the backward reads them once and writes the gradient once, into the same padded layout, which both GEMMs
+  then read in place; the bias gradient comes from the weight-gradient GEMM's BGRADB epilogue.
+
+The logits stay an output: models return them (transformers' `.logits`), and a gradient reaching them (a
+distillation loss, or the zeros AOTAutograd feeds an unused output) is added in the same backward pass.
+
+Semantics are F.cross_entropy's for class-index targets without class weights: `ignore_index` rows have
+loss 0 and gradient 0, `reduction` is "mean" (over the rows not ignored), "sum" or "none", and
+`label_smoothing` eps mixes the one-hot target with eps/V uniform. The loss is computed in fp32 whatever
+the logits' dtype, and returned in the dtype the cross-entropy saw (`loss_dtype`: fp32 when the model
+upcast its logits first, as transformers' causal-LM loss does). A target outside [0, V) that is not
+ignore_index raises on the CPU path, as PyTorch does; the CUDA kernel cannot raise and makes that row's
+loss NaN instead.
+
+Paths. CUDA, fp16/bf16 with K a multiple of 8: cuBLASLt GEMMs + the Triton passes. CUDA otherwise: PyTorch
+GEMMs + the Triton passes. CPU: the plain-PyTorch reference (also what the fake mirrors: same padded rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import Tensor
+
+from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
+from flash_backend.ops.dense import cublaslt_ready
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "padded_classes"]
+
+REDUCTIONS = ("mean", "sum", "none")
+_TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def padded_classes(num_classes: int) -> int:
+    """Row stride of the logits: the classes rounded up to a multiple of 8 (16-byte rows in fp16/bf16)."""
+    return -(-num_classes // 8) * 8
+
+
+def _empty_logits(rows: int, num_classes: int, like: Tensor) -> Tensor:
+    return like.new_empty_strided((rows, num_classes), (padded_classes(num_classes), 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (the CPU implementation)
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_reference(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                                   ignore_index: int = -100, label_smoothing: float = 0.0,
+                                   upcast: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits (M, V), per-row loss (M,) fp32, logsumexp (M,) fp32) for x (M, K), weight (V, K), target (M,).
+
+    The logits are in x's dtype (fp32 with `upcast`); the loss is computed from them in fp32.
+    """
+    if upcast:
+        x, weight = x.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    logits = F.linear(x, weight, bias)
+    z = logits.float()
+    num_classes = z.shape[-1]
+    ignored = target == ignore_index
+    out_of_range = ~ignored & ((target < 0) | (target >= num_classes))
+    if out_of_range.any():
+        raise IndexError(f"flash linear_cross_entropy: target holds class indices outside [0, {num_classes}) "
+                         f"that are not ignore_index ({ignore_index})")
+    lse = torch.logsumexp(z, dim=-1)
+    target_logit = z.gather(-1, torch.where(ignored, 0, target).long()[:, None])[:, 0]
+    loss = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing:
+        loss = loss - label_smoothing * z.mean(-1)
+    return logits, torch.where(ignored, 0.0, loss), lse
+
+
+def _grad_logits_reference(grad_loss: Tensor, grad_logits: Tensor | None, logits: Tensor, lse: Tensor,
+                           target: Tensor, ignore_index: int, label_smoothing: float) -> Tensor:
+    """d(loss rows)/d(logits) . grad_loss (+ grad_logits), in fp32."""
+    z = logits.float()
+    num_classes = z.shape[-1]
+    ignored = target == ignore_index
+    grad = torch.exp(z - lse[:, None]) - label_smoothing / num_classes
+    onehot = F.one_hot(torch.where(ignored, 0, target).long(), num_classes).to(grad.dtype)
+    grad = (grad - (1.0 - label_smoothing) * onehot) * grad_loss[:, None]
+    grad = torch.where(ignored[:, None], 0.0, grad)
+    return grad if grad_logits is None else grad + grad_logits.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks: before any kernel, in the real kernels and in the fakes alike
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: Tensor, weight: Tensor) -> None:
+    where = "flash linear_cross_entropy backward"
+    if tuple(grad_loss.shape) != (x.shape[0],):
+        raise ValueError(f"{where}: grad_loss must have shape (M,) = ({x.shape[0]},), "
+                         f"got {tuple(grad_loss.shape)}")
+    expected = (x.shape[0], weight.shape[0])
+    if grad_logits is not None and tuple(grad_logits.shape) != expected:
+        raise ValueError(f"{where}: grad_logits must have shape (M, V) = {expected}, "
+                         f"got {tuple(grad_logits.shape)}")
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, label_smoothing: float) -> None:
+    where = "flash linear_cross_entropy"
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"{where}: x must be a 2-D (M, K) floating-point tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{where}: weight must be (V, K) = (classes, {x.shape[1]}) like nn.Linear.weight, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{where}: weight must have at least one class (row), got {tuple(weight.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{where}: {name} dtype {t.dtype} differs from x dtype {x.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{where}: bias must have shape (V,) = ({weight.shape[0]},), "
+                         f"got {tuple(bias.shape)}")
+    if target.dtype not in _TARGET_DTYPES:
+        raise TypeError(f"{where}: target must hold class indices as int64 or int32, got {target.dtype} "
+                        "(class probabilities are not supported)")
+    if tuple(target.shape) != (x.shape[0],):
+        raise ValueError(f"{where}: target must have shape (M,) = ({x.shape[0]},), got {tuple(target.shape)}")
+    if target.device != x.device:
+        raise ValueError(f"{where}: target is on {target.device} but x is on {x.device}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{where}: label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel launchers (also what the interpreter tests call on CPU tensors)
+# --------------------------------------------------------------------------------------------------
+
+
+def _fwd_config(num_classes: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps): 16 fp32 values per thread per chunk keeps enough loads in flight."""
+    block = min(4096, triton.next_power_of_2(num_classes))
+    return block, max(1, min(8, block // 512))
+
+
+def _bwd_config(num_classes: int) -> tuple[int, int]:
+    block = min(2048, triton.next_power_of_2(num_classes))
+    return block, max(1, min(8, block // 256))
+
+
+def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int,
+                             label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """(loss (M,) fp32, lse (M,) fp32) of logits (M, V) with unit column stride."""
+    rows, num_classes = logits.shape
+    loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    if rows:
+        block, warps = _fwd_config(num_classes)
+        _cross_entropy_fwd_kernel[(rows,)](
+            logits, target, loss, lse, logits.stride(0), num_classes, ignore_index, float(label_smoothing),
+            BLOCK_V=block, NUM_CHUNKS=triton.cdiv(num_classes, block), HAS_SMOOTHING=label_smoothing != 0.0,
+            num_warps=warps)
+    return loss, lse
+
+
+def cross_entropy_bwd_launch(grad_loss: Tensor, grad_logits: Tensor | None, logits: Tensor, lse: Tensor,
+                             target: Tensor, ignore_index: int, label_smoothing: float) -> Tensor:
+    """The gradient of the logits, (M, V) in their dtype and padded layout."""
+    rows, num_classes = logits.shape
+    grad = _empty_logits(rows, num_classes, logits)
+    if rows:
+        block, warps = _bwd_config(num_classes)
+        grad_in = grad_logits if grad_logits is not None else grad  # unread unless HAS_GRAD_LOGITS
+        _cross_entropy_bwd_kernel[(rows, triton.cdiv(num_classes, block))](
+            grad, logits, lse, target, grad_loss, grad_in, grad.stride(0), logits.stride(0),
+            grad_loss.stride(0), grad_in.stride(0), num_classes, ignore_index, float(label_smoothing),
+            BLOCK_V=block, HAS_GRAD_LOGITS=grad_logits is not None, num_warps=warps)
+    return grad
+
+
+def _unit_columns(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops: flash::linear_cross_entropy_fwd / _bwd
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                             ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x (M, K), weight (V, K), bias (V,) or None, target (M,) ->
+    (logits (M, V) with rows padded to padded_classes(V), per-row loss (M,) fp32, logsumexp (M,) fp32)."""
+    _check(x, weight, bias, target, label_smoothing)
+    logits, loss, lse = linear_cross_entropy_reference(x, weight, bias, target, ignore_index, label_smoothing)
+    padded = _empty_logits(*logits.shape, logits)
+    padded.copy_(logits)
+    return padded, loss, lse
+
+
+@linear_cross_entropy_fwd.register_kernel("cuda")
+def _(x, weight, bias, target, ignore_index, label_smoothing):
+    _check(x, weight, bias, target, label_smoothing)
+    num_classes = weight.shape[0]
+    if x.shape[1] % 8 == 0 and cublaslt_ready(x):
+        bias = bias.contiguous() if bias is not None else None
+        logits = torch.ops.flash.cublaslt_linear_padded(x.contiguous(), weight.contiguous(), bias,
+                                                        padded_classes(num_classes))
+    else:
+        logits = _empty_logits(x.shape[0], num_classes, x)
+        logits.copy_(F.linear(x, weight, bias))
+    loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing)
+    return logits, loss, lse
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing):
+    _check(x, weight, bias, target, label_smoothing)
+    rows = x.shape[0]
+    stats = x.new_empty(rows, dtype=torch.float32)
+    return _empty_logits(rows, weight.shape[0], x), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("flash::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: Tensor, weight: Tensor,
+                             logits: Tensor, lse: Tensor, target: Tensor, ignore_index: int,
+                             label_smoothing: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (grad_x (M, K), grad_weight (V, K), grad_bias (V,), or (0,) without a bias)."""
+    _check_bwd(grad_loss, grad_logits, x, weight)
+    grad = _grad_logits_reference(grad_loss, grad_logits, logits, lse, target, ignore_index,
+                                  label_smoothing).to(x.dtype)
+    grad_bias = grad.sum(0) if has_bias else x.new_empty(0)
+    return grad @ weight, grad.t() @ x, grad_bias
+
+
+@linear_cross_entropy_bwd.register_kernel("cuda")
+def _(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing, has_bias):
+    _check_bwd(grad_loss, grad_logits, x, weight)
+    grad = cross_entropy_bwd_launch(grad_loss.float(), _unit_columns(grad_logits) if grad_logits is not None
+                                    else None, logits, lse, target, ignore_index, label_smoothing)
+    weight = weight.contiguous()
+    grad_x = grad @ weight
+    if has_bias and x.shape[1] % 8 == 0 and cublaslt_ready(x):
+        grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad, x.contiguous())
+    else:
+        grad_weight = grad.t() @ x
+        grad_bias = grad.sum(0) if has_bias else x.new_empty(0)
+    return grad_x, grad_weight, grad_bias
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing, has_bias):
+    _check_bwd(grad_loss, grad_logits, x, weight)
+    grad_bias = x.new_empty(weight.shape[0] if has_bias else 0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad_bias
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, target, ignore_index, label_smoothing = inputs
+    logits, _, lse = output
+    ctx.save_for_backward(x, weight, logits, lse, target)
+    ctx.ignore_index, ctx.label_smoothing, ctx.has_bias = ignore_index, label_smoothing, bias is not None
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused logits output costs no (M, V) zeros
+
+
+def _backward(ctx, grad_logits, grad_loss, _grad_lse):
+    x, weight, logits, lse, target = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = lse.new_zeros(lse.shape)
+    grad_x, grad_weight, grad_bias = torch.ops.flash.linear_cross_entropy_bwd(
+        grad_loss, grad_logits, x, weight, logits, lse, target, ctx.ignore_index, ctx.label_smoothing,
+        ctx.has_bias)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None, None
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function (what the fx_passes rewrite emits)
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         loss_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """(loss, logits) where logits = F.linear(x, weight, bias), shape (..., V), and
+    loss = F.cross_entropy(logits.to(loss_dtype).reshape(-1, V), target.reshape(-1), ignore_index=...,
+    reduction=..., label_smoothing=...). loss_dtype defaults to x's dtype; the loss is computed in fp32."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"flash linear_cross_entropy: reduction must be one of {REDUCTIONS}, "
+                         f"got {reduction!r}")
+    if x.dim() < 1:
+        raise ValueError("flash linear_cross_entropy: x must have at least one dimension (..., K)")
+    num_classes = weight.shape[0]
+    x_rows, rows_target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    logits, loss_rows, _ = torch.ops.flash.linear_cross_entropy_fwd(x_rows, weight, bias, rows_target,
+                                                                     ignore_index, float(label_smoothing))
+    logits = logits.view(*x.shape[:-1], num_classes)
+    loss_dtype = loss_dtype or x.dtype
+    if reduction == "none":
+        return loss_rows.to(loss_dtype), logits
+    total = loss_rows.sum()
+    if reduction == "mean":
+        total = total / (rows_target != ignore_index).sum()  # 0 / 0 = NaN when every row is ignored, as eager
+    return total.to(loss_dtype), logits

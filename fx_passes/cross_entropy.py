@@ -1,0 +1,176 @@
+"""Cross-entropy family: F.cross_entropy over a Linear's logits -> flash linear_cross_entropy.
+
+Why: a language-model head's logits are the largest tensor of a training step (BERT-base: 16384 x 30522
+in bf16, 1 GB), and around them eager and Inductor add a bias pass, a log-softmax forward and backward and,
+because 30522 is not a multiple of 8, a copy of the gradient into padded rows for the GEMMs. The fused op
+(flash_backend/ops/cross_entropy.py) writes the logits once, in padded rows, from the GEMM's epilogue and
+reads them once forward and once backward.
+
+What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, target, ...)``
+(``nn.CrossEntropyLoss`` and transformers' loss functions call it) whose 2-D ``input`` is, through a chain of
+
+- reshapes that keep the class dimension last and flatten the leading ones ((..., V) -> (M, V):
+  ``view``/``reshape``/``flatten``), and ``contiguous()``,
+- at most one cast of fp16/bf16 logits up to fp32 (``.float()``, ``.to(torch.float32)``; transformers'
+  causal-LM loss upcasts first),
+
+the output of ``F.linear(x, weight, bias)`` (``nn.Linear``). The logits keep every other user: the op
+returns them too, so a model that also returns them (``.logits``) still does.
+
+Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
+probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
+chain that changes values or row order (a slice, a transpose, a cast down or to fp64), and logits that do
+not come from an F.linear.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import numbers
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from flash_backend import config as flash_config
+from fx_passes._match import erase_unused, fake_call, insert_call, insert_getitem, is_op, op_name, tensor_meta
+from fx_passes._report import record_near_miss, record_rewrite
+
+FAMILY = "cross_entropy"
+
+_OP_MODULE = "flash_backend.ops.cross_entropy"
+_OP_NAME = "flash.linear_cross_entropy_fwd (linear_cross_entropy)"
+_SIGNATURE = inspect.signature(F.cross_entropy)
+_RESHAPES = {"view", "reshape", "flatten", "contiguous"}
+_CASTS = {"float", "to", "type"}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _Miss(Exception):
+    """A candidate that is not provably the same function; the message is the reason."""
+
+
+def _fused_op():
+    try:
+        return importlib.import_module(_OP_MODULE).linear_cross_entropy
+    except (ImportError, AttributeError):
+        return None
+
+
+def _arguments(ce: torch.fx.Node) -> dict:
+    try:
+        bound = _SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError as e:
+        raise _Miss(f"cannot read the arguments of F.cross_entropy: {e}") from None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _check_arguments(args: dict) -> None:
+    if args["weight"] is not None:
+        raise _Miss("class weights are not supported by the fused op")
+    if args["size_average"] is not None or args["reduce"] is not None:
+        raise _Miss("the legacy size_average/reduce arguments are given")
+    if args["reduction"] not in ("mean", "sum", "none"):
+        raise _Miss(f"reduction={args['reduction']!r} is not a constant 'mean', 'sum' or 'none'")
+    if not isinstance(args["ignore_index"], int) or isinstance(args["ignore_index"], bool):
+        raise _Miss(f"ignore_index={args['ignore_index']!r} is not a constant int")
+    smoothing = args["label_smoothing"]
+    if not isinstance(smoothing, numbers.Real) or isinstance(smoothing, bool) or not 0.0 <= smoothing <= 1.0:
+        raise _Miss(f"label_smoothing={smoothing!r} is not a constant in [0, 1]")
+    inp, target = tensor_meta(args["input"]), tensor_meta(args["target"])
+    if inp is None or target is None:
+        raise _Miss("the input or target has no tensor metadata")
+    if inp.dim() != 2:
+        raise _Miss(f"the input is {inp.dim()}-D: only (M, classes) inputs, whose class dimension is the "
+                    "last, are fused")
+    if target.dtype != torch.int64 or target.dim() != 1:
+        raise _Miss(f"the target is {target.dtype} {tuple(target.shape)}, not (M,) int64 class indices")
+
+
+def _is_reshape_keeping_classes(step: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """A reshape of (..., V) into (..., V): row-major, so it only regroups the rows."""
+    out, inp = tensor_meta(step), tensor_meta(source)
+    return out is not None and inp is not None and out.dim() >= 1 and inp.dim() >= 1 and \
+        out.shape[-1] == inp.shape[-1]
+
+
+def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
+    out, inp = tensor_meta(step), tensor_meta(source)
+    return out is not None and inp is not None and out.dtype == torch.float32 and \
+        inp.dtype in (*_LOW_PRECISION, torch.float32) and out.device == inp.device and out.shape == inp.shape
+
+
+def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool]:
+    """(the F.linear node, the chain between it and the cross-entropy, whether the chain upcasts)."""
+    chain, upcast, node = [], False, ce_input
+    while not is_op(node, "linear"):
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+            raise _Miss(f"the logits ({node.name}) are an input of this graph (computed in another one, e.g. "
+                        "before a graph break): there is no Linear here to fuse with")
+        if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or \
+                not node.args or not isinstance(node.args[0], torch.fx.Node):
+            raise _Miss(f"the logits come from {getattr(node, 'name', node)}, not from an F.linear")
+        name, source = op_name(node), node.args[0]
+        if name in _RESHAPES and _is_reshape_keeping_classes(node, source):
+            pass
+        elif name in _CASTS and not upcast and _is_upcast(node, source):
+            upcast = tensor_meta(source).dtype != torch.float32
+        else:
+            raise _Miss(f"the logits pass through {name or node.target} ({node.name}), which is not a "
+                        "reshape keeping the class dimension last or a single cast up to fp32")
+        chain.append(node)
+        node = source
+    return node, chain, upcast
+
+
+def _slower_than_unfused(*inputs) -> bool:
+    metas = [tensor_meta(t) for t in inputs if t is not None]
+    on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
+    return on_cuda and not flash_config.cross_entropy_on_cuda
+
+
+def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
+    args = _arguments(ce)
+    _check_arguments(args)
+    linear, chain, upcast = _logits_source(args["input"])
+    x, weight, bias = (linear.args + (None,) * 3)[:3]
+    weight = linear.kwargs.get("weight", weight)
+    bias = linear.kwargs.get("bias", bias)
+    variant = "F.linear -> " + " -> ".join(op_name(n) for n in reversed(chain)) + " -> F.cross_entropy" \
+        if chain else "F.linear -> F.cross_entropy"
+    if _slower_than_unfused(x, weight, bias):
+        raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
+    want_loss, want_logits = tensor_meta(ce), tensor_meta(linear)
+    kwargs = {"ignore_index": args["ignore_index"], "reduction": args["reduction"],
+              "label_smoothing": float(args["label_smoothing"]),
+              "loss_dtype": want_loss.dtype if want_loss is not None else None}
+    op_args = (x, weight, bias, args["target"])
+    try:
+        result = fake_call(fn, op_args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
+        reason = str(e).splitlines()[0][:200]
+        raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
+    if not isinstance(result, tuple) or want_loss is None or want_logits is None or \
+            (result[0].dtype, tuple(result[0].shape)) != (want_loss.dtype, tuple(want_loss.shape)) or \
+            (result[1].dtype, tuple(result[1].shape)) != (want_logits.dtype, tuple(want_logits.shape)):
+        raise _Miss(f"{variant}: the fused op's (loss, logits) would differ in dtype or shape from eager's")
+
+    fused = insert_call(graph, fn, op_args, kwargs, like=ce)
+    loss, logits = insert_getitem(graph, fused, 0), insert_getitem(graph, fused, 1)
+    ce.replace_all_uses_with(loss)
+    linear.replace_all_uses_with(logits)
+    record_rewrite(FAMILY, variant + (" (logits upcast to fp32)" if upcast else ""), _OP_NAME, ce)
+    erase_unused(graph, [ce, *chain, linear])
+
+
+def rewrite(graph: torch.fx.Graph) -> None:
+    fn = _fused_op()
+    if fn is None:
+        return
+    for ce in [n for n in graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]:
+        try:
+            _rewrite_one(graph, fn, ce)
+        except _Miss as miss:
+            record_near_miss(FAMILY, "Linear + cross-entropy", str(miss), ce)
