@@ -536,13 +536,15 @@ def _strip_scales(cand, node: Node, consumer: Node) -> Node:
     return node
 
 
-def _untranspose(kt: Node, ndim: int) -> Node:
-    """k, when kt is k with its last two dims swapped (transpose, permute, .mT); else raise."""
+def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
+    """(k, k_perm) when kt is kᵀ: k with its last two dims swapped (transpose, permute, .mT), k_perm None;
+    or kᵀ in one permute of a tensor in another layout, k_perm the permute that lays that tensor out as
+    (batch..., S, D). Else raise."""
     name = op_name(kt)
     if name == "transpose" or (name == "swapaxes" or name == "swapdims"):
         dims = sorted(norm_dim(d, ndim) for d in (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")))
         if dims == [ndim - 2, ndim - 1]:
-            return kt.args[0]
+            return kt.args[0], None
         raise _Skip(f"k is transposed over dims {dims}, not its last two")
     if name == "permute":
         perm = kt.args[1:] if len(kt.args) > 1 else kt.kwargs.get("dims", ())
@@ -550,12 +552,19 @@ def _untranspose(kt: Node, ndim: int) -> Node:
             perm = perm[0]
         perm = [norm_dim(d, ndim) for d in perm]
         if perm == list(range(ndim - 2)) + [ndim - 1, ndim - 2]:
-            return kt.args[0]
-        raise _Skip(f"k is permuted by {perm}, not by a swap of its last two dims")
+            return kt.args[0], None
+        # kᵀ = base.permute(perm) is k = base.permute(perm with its last two swapped), transposed: the
+        # (B, S, H, D) projection permuted (0, 2, 3, 1) straight into (B, H, D, S). Exact for any perm, but
+        # one that reorders the batch dims pairs each query with another (batch, head)'s keys: that is
+        # most likely a bug in the model, and is left to eager, reported.
+        if sorted(perm) == list(range(ndim)) and perm[:-2] == sorted(perm[:-2]):
+            return kt.args[0], perm[:-2] + [perm[-1], perm[-2]]
+        raise _Skip(f"k is permuted by {perm}, not by a swap of its last two dims (nor into kᵀ from "
+                    "another layout with its batch dims in order)")
     if kt.op == "call_function" and kt.target is getattr and kt.args[1] in ("mT", "mH", "T"):
-        return kt.args[0]
+        return kt.args[0], None
     if kt.op == "call_method" and kt.target in ("t",):
-        return kt.args[0]
+        return kt.args[0], None
     raise _Skip(f"the right operand of q·kᵀ ({name or kt.target}) is not a transpose of k's last two dims")
 
 
@@ -621,14 +630,81 @@ def _casts_probs_like(user: Node, template: Node, softmax: Node) -> bool:
     return False
 
 
+# Factories that take their first argument as a template for shape, dtype and device only.
+_LIKE_FACTORIES = ("full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_zeros", "new_ones",
+                   "new_empty")
+
+
+def _reads_metadata_only(user: Node, template: Node) -> bool:
+    """`torch.full_like(scores, -inf)`: a use of the scores that never reads their values."""
+    if op_name(user) not in _LIKE_FACTORIES or user.args[0] is not template:
+        return False
+    reads: list[Node] = []
+    torch.fx.node.map_arg((user.args[1:], user.kwargs), reads.append)
+    return template not in reads
+
+
+def _fill_value(fill) -> float | None:
+    """The value a masking step writes: a constant (number, one-element constant tensor) or a tensor full
+    of one (`torch.full_like(scores, -inf)`; the caller checks that it does not enlarge the scores)."""
+    value = _const_scalar(fill)
+    if value is None and op_name(fill) == "full_like":
+        value = _const_scalar(arg(fill, 1, "fill_value"))
+    return value
+
+
+def _row_max_of(node, x: Node, consumer: Node) -> list[Node] | None:
+    """The nodes of `x.amax(-1, keepdim=True)` (or `x.max(-1, keepdim=True).values` / `[0]`, detached or
+    not) when node is that row max of x, used by consumer only, outermost first; else None.
+
+    softmax(x - c) == softmax(x) for any finite c constant along the key dim, and a row max is finite
+    unless the row is entirely -inf (every key masked: the documented case where the op returns 0).
+    Other reductions are not taken: a row min or mean is -inf as soon as one key is masked.
+    """
+    chain = []
+    while isinstance(node, Node) and op_name(node) == "detach":
+        chain.append(node)
+        node = node.args[0]
+    if not isinstance(node, Node):
+        return None
+    if op_name(node) == "getitem" and node.args[1] == 0 or (
+        node.op == "call_function" and node.target is getattr and node.args[1] == "values"
+    ):
+        chain.append(node)
+        node = node.args[0]
+        if op_name(node) != "max":
+            return None
+    elif op_name(node) != "amax":
+        return None
+    chain.append(node)
+    shape = _shape(x)
+    if (
+        node.args[0] is not x
+        or shape is None
+        or norm_dim(arg(node, 1, "dim"), len(shape)) != len(shape) - 1
+        or arg(node, 2, "keepdim", False) is not True
+        or any(not _single_user(n, user) for n, user in zip(chain, [consumer] + chain[:-1], strict=True))
+    ):
+        return None
+    return chain
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
     consumer = softmax
     steps: list[tuple[str, object]] = []
+    side_reads: set[Node] = set()  # the row max of a `scores - scores.amax(-1, keepdim=True)` step
     while True:
         if not isinstance(x, Node):
             raise _Skip("softmax input is not a tensor")
-        others = [u.name for u in x.users if u is not consumer and not _casts_probs_like(u, x, softmax)]
+        others = [
+            u.name
+            for u in x.users
+            if u is not consumer
+            and u not in side_reads
+            and not _casts_probs_like(u, x, softmax)
+            and not _reads_metadata_only(u, x)
+        ]
         if others:
             raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
         name = op_name(x)
@@ -675,9 +751,22 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 cand.masks.stages[mask] = _shape(scores)  # the scores' shape, not the (maybe broadcast) sum
             consumer, x = x, scores
             continue
+        if name == "sub" and len(x.args) == 2 and isinstance(x.args[0], Node):
+            scores, shift = x.args
+            row_max = _row_max_of(shift, scores, x)
+            if not is_number(shift) and row_max is None:
+                what = getattr(shift, "name", shift)
+                raise _Skip(f"'{x.name}' subtracts '{what}' from the scores: neither a constant nor their "
+                            "row max over the key dim (used there only)")
+            steps.append(("shift", shift))  # a per-row constant does not change softmax
+            if row_max is not None:
+                cand.chain.extend(row_max)
+                side_reads.add(row_max[-1])
+            consumer, x = x, scores
+            continue
         if name in ("masked_fill", "masked_fill_"):
             cond, fill = arg(x, 1, "mask"), arg(x, 2, "value")
-            value = _const_scalar(fill)
+            value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
             if math.isfinite(value):
@@ -693,9 +782,12 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the fill value in '{x.name}'")
             scores, fill = (a, b) if ra else (b, a)
-            value = _const_scalar(fill)
+            value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant")
+            if not _same_dims(_shape(x) or (), _shape(scores) or ()):
+                raise _Skip(f"torch.where '{x.name}' broadcasts the scores {list(_shape(scores) or [])} to "
+                            f"{list(_shape(x) or [])}")
             if math.isfinite(value):
                 cand.finite_fills.append(value)
             steps.append(("keep", cond))
@@ -806,7 +898,7 @@ def _qk(cand: _Candidate, mm: Node):
         raise _Skip(f"q·kᵀ operands are {ndim}-d; the flash op takes (B, H, S, D) or (BH, S, D)")
     cand.batch_dims = ndim - 2
     kt = _strip_scales(cand, kt, mm)
-    k = _untranspose(kt, ndim)
+    k, cand.k_perm = _untranspose(kt, ndim)
     cand.chain.append(kt)  # erased only if the rewrite leaves it without users
     cand.k = _strip_scales(cand, k, kt)
     cand.q = _strip_scales(cand, q, mm)

@@ -37,8 +37,9 @@ def _rewrites():
     return counters["flash"]["attention"], counters["flash"]["attention_skipped"]
 
 
-def _run_rewritten(fn, *args, **kwargs):
-    """fn through dynamo + the attention rewrite only, with the graphs it produced."""
+def _run_rewritten(fn, *args, options=None, **kwargs):
+    """fn through dynamo + the attention rewrite only, with the graphs it produced; options go to
+    torch.compile (fullgraph, dynamic)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -48,7 +49,7 @@ def _run_rewritten(fn, *args, **kwargs):
 
     torch._dynamo.reset()
     counters.clear()
-    out = torch.compile(fn, backend=backend)(*args, **kwargs)
+    out = torch.compile(fn, backend=backend, **(options or {}))(*args, **kwargs)
     return out, graphs
 
 
@@ -56,8 +57,10 @@ def _flash_nodes(graphs):
     return [n for g in graphs for n in g.nodes if n.op == "call_function" and n.target is flash_attention]
 
 
-def _check_same(fn, *args, rewrites=1, **kwargs):
-    """fn rewritten matches fn eager, outputs and input gradients; returns the flash_attention nodes."""
+def _check_same(fn, *args, rewrites=1, options=None, **kwargs):
+    """fn rewritten matches fn eager, outputs and input gradients (and parameter gradients when fn is a
+    module: the rewritten copy's against the original's); returns the flash_attention nodes."""
+    fn_r = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
     args_e = [
         a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
         for a in args
@@ -67,7 +70,7 @@ def _check_same(fn, *args, rewrites=1, **kwargs):
         for a in args
     ]
     ref = fn(*args_e, **kwargs)
-    out, graphs = _run_rewritten(fn, *args_r, **kwargs)
+    out, graphs = _run_rewritten(fn_r, *args_r, options=options, **kwargs)
     assert _rewrites() == (rewrites, 0), flash_backend.explain(fn, *args, print_report=False, **kwargs)
     torch.testing.assert_close(out, ref, **TOL)
     grad = torch.randn_like(ref)
@@ -76,6 +79,9 @@ def _check_same(fn, *args, rewrites=1, **kwargs):
     for a, b in zip(args_r, args_e, strict=True):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             torch.testing.assert_close(a.grad, b.grad, **TOL)
+    if isinstance(fn, nn.Module):
+        for (name, pr), pe in zip(fn_r.named_parameters(), fn.parameters(), strict=True):
+            torch.testing.assert_close(pr.grad, pe.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     return _flash_nodes(graphs)
 
 
