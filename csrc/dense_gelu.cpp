@@ -191,31 +191,17 @@ void check_2d(const at::Tensor& t, const char* name) {
               " must be float16 or bfloat16, got ", t.scalar_type());
 }
 
-// A 2-D operand whose rows may be padded (row stride >= columns, e.g. the logits of linear_cross_entropy,
-// whose rows are padded to a multiple of 8 so that every row starts 16-byte aligned).
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, t.size(1)),
-              "flash dense (cuBLASLt): ", name, " must be a 2-D CUDA tensor with unit column stride and a row ",
-              "stride >= its columns, got sizes ", t.sizes(), " strides ", t.strides());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "flash dense (cuBLASLt): ", name,
-              " must be float16 or bfloat16, got ", t.scalar_type());
-}
-
 // out = x @ weight.T + bias, optionally followed by tanh-GELU, with the pre-activation kept in `pre` when
-// `store_pre` (training); inference skips that (M, N) store. `out_row_stride` >= N pads out's rows (the
-// returned tensor is the (M, N) view of an (M, out_row_stride) buffer; the padding is left unwritten).
+// `store_pre` (training); inference skips that (M, N) store.
 std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at::Tensor& weight,
                                                     const std::optional<at::Tensor>& bias, bool gelu_tanh,
-                                                    bool store_pre, int64_t out_row_stride = -1) {
+                                                    bool store_pre) {
   check_2d(x, "x");
   check_2d(weight, "weight");
   TORCH_CHECK(x.size(1) == weight.size(1), "flash dense (cuBLASLt): x and weight disagree on K");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const int64_t ldd = out_row_stride < 0 ? N : out_row_stride;
-  TORCH_CHECK((ldd >= N && ldd % 8 == 0) || ldd == N, "flash dense (cuBLASLt): out_row_stride must be N or a ",
-              "multiple of 8 that is >= N (", N, "), got ", out_row_stride);
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({M, ldd}, x.options()).narrow(1, 0, N);
+  at::Tensor out = at::empty({M, N}, x.options());
   at::Tensor pre = gelu_tanh && store_pre ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
   if (M == 0) return {out, pre};
 
@@ -230,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> linear_epilogue(const at::Tensor& x, const at
   g.b = x.data_ptr();
   g.ldb = K;
   g.d = out.data_ptr();
-  g.ldd = ldd;
+  g.ldd = N;
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == N &&
@@ -261,14 +247,9 @@ at::Tensor cublaslt_linear(const at::Tensor& x, const at::Tensor& weight, const 
   return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false, /*store_pre=*/false));
 }
 
-at::Tensor cublaslt_linear_padded(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                  int64_t out_row_stride) {
-  return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false, /*store_pre=*/false, out_row_stride));
-}
-
 // grad_weight = grad.T @ x and grad_bias = grad.sum(0), the sum done by the GEMM's BGRADB epilogue.
 std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor& grad, const at::Tensor& x) {
-  check_rows(grad, "grad");
+  check_2d(grad, "grad");
   check_2d(x, "x");
   TORCH_CHECK(grad.size(0) == x.size(0) && grad.scalar_type() == x.scalar_type(),
               "flash dense (cuBLASLt): grad and x disagree on M or dtype");
@@ -286,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor&
   g.a = x.data_ptr();
   g.lda = K;
   g.b = grad.data_ptr();
-  g.ldb = grad.stride(0);
+  g.ldb = N;
   g.d = grad_weight.data_ptr();
   g.ldd = K;
   g.epilogue = CUBLASLT_EPILOGUE_BGRADB;
@@ -338,7 +319,6 @@ TORCH_LIBRARY_FRAGMENT(flash, m) {
       "cublaslt_linear_gelu_tanh(Tensor x, Tensor weight, Tensor? bias, bool store_pre) -> "
       "(Tensor out, Tensor pre)");
   m.def("cublaslt_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("cublaslt_linear_padded(Tensor x, Tensor weight, Tensor? bias, int out_row_stride) -> Tensor");
   m.def("cublaslt_linear_wgrad_bgrad(Tensor grad, Tensor x) -> (Tensor grad_weight, Tensor grad_bias)");
   m.def(
       "cublaslt_linear_dgrad_dgelu_bgrad(Tensor grad, Tensor weight, Tensor pre) -> "
@@ -348,7 +328,6 @@ TORCH_LIBRARY_FRAGMENT(flash, m) {
 TORCH_LIBRARY_IMPL(flash, CUDA, m) {
   m.impl("cublaslt_linear_gelu_tanh", &cublaslt_linear_gelu_tanh);
   m.impl("cublaslt_linear", &cublaslt_linear);
-  m.impl("cublaslt_linear_padded", &cublaslt_linear_padded);
   m.impl("cublaslt_linear_wgrad_bgrad", &cublaslt_linear_wgrad_bgrad);
   m.impl("cublaslt_linear_dgrad_dgelu_bgrad", &cublaslt_linear_dgrad_dgelu_bgrad);
 }

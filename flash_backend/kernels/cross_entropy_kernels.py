@@ -7,7 +7,9 @@ them once and writes the gradient once; nothing else of size M x V is touched.
 Forward: one program per row streams the row in BLOCK_V chunks, keeping per lane a running maximum and a
 sum of exponentials rescaled to it (lanes are merged once, after the loop, so the loop has no cross-lane
 reduction), the row's sum of logits when label smoothing needs it, and gathers the target's logit.
-Backward: one program per (row, BLOCK_V chunk) recomputes the softmax from the saved logsumexp.
+Backward: one program per (row, BLOCK_V chunk), chunks of a row on consecutive programs, recomputes the
+softmax from the saved logsumexp, and writes zeros into the row's padding so that the GEMMs can read the
+padded rows whole.
 Arithmetic is fp32; exponentials are base 2 on logits pre-scaled by log2(e).
 """
 
@@ -73,7 +75,7 @@ def _cross_entropy_fwd_kernel(
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    GRAD,  # (M, V) out, the logits' dtype; row stride stride_grad
+    GRAD,  # (M, VP) out, the logits' dtype; row stride stride_grad; columns [V, VP) get 0
     LOGITS,  # (M, V); row stride stride_logits
     LSE,  # (M,) fp32, from the forward
     TARGET,  # (M,) integer class indices
@@ -84,13 +86,18 @@ def _cross_entropy_bwd_kernel(
     stride_grad_loss,  # stride of GRAD_LOSS
     stride_grad_logits,  # row stride of GRAD_LOGITS
     V,  # classes
+    VP,  # padded classes written to GRAD (>= V)
     ignore_index,
     label_smoothing,
     BLOCK_V: tl.constexpr,
+    CHUNKS_PER_ROW: tl.constexpr,  # cdiv(VP, BLOCK_V)
     HAS_GRAD_LOGITS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    # A 1-D grid: rows are unbounded (a 2-D grid's second dimension stops at 65535), and a row's chunks
+    # run on consecutive programs, which stream through it in address order.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // CHUNKS_PER_ROW
+    cols = (pid % CHUNKS_PER_ROW) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < V
     z = tl.load(LOGITS + row * stride_logits + cols, mask=in_row, other=0.0).to(tl.float32)
     lse = tl.load(LSE + row)
@@ -103,4 +110,5 @@ def _cross_entropy_bwd_kernel(
     grad = tl.where(target == ignore_index, 0.0, grad * grad_loss)
     if HAS_GRAD_LOGITS:
         grad += tl.load(GRAD_LOGITS + row * stride_grad_logits + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(GRAD + row * stride_grad + cols, grad.to(GRAD.dtype.element_ty), mask=in_row)
+    grad = tl.where(in_row, grad, 0.0)
+    tl.store(GRAD + row * stride_grad + cols, grad.to(GRAD.dtype.element_ty), mask=cols < VP)

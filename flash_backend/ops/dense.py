@@ -156,10 +156,6 @@ def _register_cpp_fakes() -> None:
     def _(x, weight, bias):
         return x.new_empty(x.shape[0], weight.shape[0])
 
-    @torch.library.register_fake("flash::cublaslt_linear_padded")
-    def _(x, weight, bias, out_row_stride):
-        return x.new_empty_strided((x.shape[0], weight.shape[0]), (out_row_stride, 1))
-
     @torch.library.register_fake("flash::cublaslt_linear_wgrad_bgrad")
     def _(grad, x):
         return x.new_empty(grad.shape[1], x.shape[1]), x.new_empty(grad.shape[1])
