@@ -87,6 +87,21 @@ def operands(node: torch.fx.Node) -> tuple:
     return tuple(node.args)
 
 
+def binary_operands(node: object, name: str) -> tuple | None:
+    """(lhs, rhs) of a plain binary op named name (no alpha, no out), else None."""
+    if not is_op(node, name) or len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args
+
+
+def binary_other(node: object, name: str, this: torch.fx.Node):
+    """For a commutative binary op on `this` (add, mul), the other operand, else None."""
+    pair = binary_operands(node, name)
+    if pair is None or not any(a is this for a in pair):
+        return None
+    return pair[1] if pair[0] is this else pair[0]
+
+
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
     """Argument by position or keyword (positions count self first for methods)."""
     if len(node.args) > index:

@@ -30,7 +30,17 @@ import torch
 import torch.fx
 
 from flash_backend import config as flash_config
-from fx_passes._match import arg, erase_unused, fake_call, insert_call, is_number, is_op, op_name, tensor_meta
+from fx_passes._match import (
+    arg,
+    binary_other,
+    erase_unused,
+    fake_call,
+    insert_call,
+    is_number,
+    is_op,
+    op_name,
+    tensor_meta,
+)
 from fx_passes._report import record_near_miss, record_rewrite
 
 FAMILY = "dense"
@@ -39,7 +49,10 @@ _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
 _POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "tanh", "erf"}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
-_GRID = torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64)
+# Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
+# magnitudes up to 1e8 either side, where a stray term too small to show on [-8, 8] (1e-15 * x**5) grows.
+_WIDE = torch.logspace(-8.0, 8.0, 161, dtype=torch.float64)
+_GRID = torch.cat([torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64), _WIDE, -_WIDE])
 
 
 class _Miss(Exception):
@@ -61,6 +74,8 @@ def _fused_op():
 def _is_transpose_2d(node: object) -> bool:
     if not isinstance(node, torch.fx.Node) or tensor_meta(node) is None or tensor_meta(node).dim() != 2:
         return False
+    if node.op == "call_function" and node.target is getattr:  # w.T / w.mT, as dynamo records them
+        return len(node.args) == 2 and node.args[1] in ("T", "mT")
     name = op_name(node)
     if name == "t" or node.target is torch.t:
         return True
@@ -73,11 +88,45 @@ def _is_transpose_2d(node: object) -> bool:
     return False
 
 
+def _bias_add(mm: torch.fx.Node):
+    """(add node, b) when mm's only user adds a 1-d (N,) tensor b to it (either side, no alpha), else None."""
+    if len(mm.users) != 1:
+        return None
+    (add,) = mm.users
+    b = binary_other(add, "add", mm)
+    bt, mt = tensor_meta(b), tensor_meta(mm)
+    if bt is None or mt is None or bt.dim() != 1 or mt.dim() < 1 or bt.shape[0] != mt.shape[-1]:
+        return None
+    return add, b
+
+
+def _matmul_linear(node: torch.fx.Node):
+    """x @ w.t() [+ b] (or x @ m with m (K, N)) with a 2-d right operand is F.linear(x, w [, b]); a batched
+    right operand or a bias of another shape is not."""
+    if node.op not in ("call_function", "call_method") or len(node.args) != 2 or node.kwargs:
+        return None
+    x, m = node.args
+    mt = tensor_meta(m)
+    if mt is None or mt.dim() != 2 or tensor_meta(x) is None:
+        return None
+    biased = _bias_add(node)
+    out, b = biased if biased is not None else (node, None)
+    spelled = "x @ w.t()" if _is_transpose_2d(m) else "x @ w"
+    variant = spelled + (" + b" if b is not None else "")
+    if _is_transpose_2d(m):
+        return variant, x, m.args[0], None, b, out
+    return variant, x, None, m, b, out
+
+
 def _linear_inputs(node: torch.fx.Node):
-    """(variant, x, weight-or-None, transposed-weight-or-None, bias) of a Linear-like node, else None."""
+    """(variant, x, weight-or-None, transposed-weight-or-None, bias, pre-activation) of a Linear-like node,
+    else None. The pre-activation is the node whose value the GELU must take: the node itself, the bias add
+    after a matmul, or Conv1D's view back to (..., N) after an addmm."""
     if is_op(node, "linear"):
         x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-        return "F.linear", x, w, None, b
+        return "F.linear", x, w, None, b, node
+    if is_op(node, "matmul", "mm"):
+        return _matmul_linear(node)
     if is_op(node, "addmm") and node.op == "call_function":
         if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
             raise _Miss("addmm has alpha/beta other than 1")
@@ -85,9 +134,10 @@ def _linear_inputs(node: torch.fx.Node):
         bt = tensor_meta(b)
         if bt is None or bt.dim() != 1:
             raise _Miss("addmm's bias is not a 1-d (N,) tensor")
+        out = _view_after(node) or node
         if _is_transpose_2d(m):
-            return "torch.addmm(b, x, w.t())", x, m.args[0], None, b
-        return "torch.addmm(b, x, w) (Conv1D)", x, None, m, b
+            return "torch.addmm(b, x, w.t())", x, m.args[0], None, b, out
+        return "torch.addmm(b, x, w) (Conv1D)", x, None, m, b, out
     return None
 
 
@@ -97,15 +147,17 @@ def _linear_inputs(node: torch.fx.Node):
 
 
 def _descendants(h: torch.fx.Node, limit: int) -> list[torch.fx.Node]:
-    """Nodes downstream of h in graph order, the first `limit` of them."""
-    order = {n: i for i, n in enumerate(h.graph.nodes)}
-    seen, stack = set(), list(h.users)
-    while stack and len(seen) < 4 * limit:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return sorted(seen, key=order.get)[:limit]
+    """The first `limit` nodes after h in graph order that depend on h. In graph order, not by following
+    users: a depth-first walk went down the rest of the model along the GELU's last user before it came
+    back for the cubic term, and missed the GELU of every block but the last few."""
+    found, reached = [], {h}
+    node = h.next
+    while node.op != "root" and len(found) < limit:
+        if any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+            found.append(node)
+        node = node.next
+    return found
 
 
 def _ancestors_within(end: torch.fx.Node, h: torch.fx.Node, allowed: set[torch.fx.Node]):
@@ -162,7 +214,7 @@ def _match_written_out(h: torch.fx.Node):
         if not isinstance(y, torch.Tensor) or y.shape != _GRID.shape:
             continue
         for approximate, r in ref.items():
-            if torch.allclose(y, r, rtol=0, atol=1e-9):
+            if bool(((y - r).abs() <= 1e-9 * r.abs().clamp_min(1.0)).all()):
                 return approximate, end, region
     return None
 
@@ -212,9 +264,8 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     found = _linear_inputs(linear)
     if found is None:
         return False
-    variant, x, weight, mat2, bias = found
-    view = _view_after(linear) if is_op(linear, "addmm") else None
-    h = view if view is not None else linear
+    variant, x, weight, mat2, bias, h = found
+    view = h if is_op(linear, "addmm") and h is not linear else None
     gelu = _gelu_after(h)
     if gelu is None:
         return False
@@ -254,7 +305,9 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
                             (fused, *view.args[1:]), dict(view.kwargs), like=view)
     end.replace_all_uses_with(fused)
     record_rewrite(FAMILY, variant, _OP_NAME, linear)
+    operands = linear.all_input_nodes
     erase_unused(graph, region | {h, linear})
+    erase_unused(graph, [n for n in operands if _is_transpose_2d(n)])  # the w.t() the op no longer reads
     return True
 
 
@@ -271,7 +324,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
         return
-    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm")]
+    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm", "matmul", "mm")]
     for node in linears:
         if node.graph is not graph:
             continue

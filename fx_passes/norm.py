@@ -54,6 +54,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fx_passes._compat import restart_with_specialised_floats
 from fx_passes._match import (
     arg,
+    binary_operands,
+    binary_other,
     erase_unused,
     fake_call,
     insert_call,
@@ -138,28 +140,13 @@ def _same_value(a: object, b: object) -> bool:
                for p, q in zip(a.args, b.args, strict=True))
 
 
-def _binary(node: torch.fx.Node, name: str):
-    """(lhs, rhs) of a plain binary op named name (no alpha / out), else None."""
-    if not is_op(node, name) or len(node.args) != 2 or node.kwargs:
-        return None
-    return node.args
-
-
-def _other(node: torch.fx.Node, name: str, this: torch.fx.Node):
-    """For a commutative binary op on `this`, the other operand, else None."""
-    pair = _binary(node, name)
-    if pair is None or this not in pair:
-        return None
-    return pair[1] if pair[0] is this else pair[0]
-
-
 def _square_of(node: object):
     """Y when node is Y**2, Y*Y or Y.square(), else None."""
     if not isinstance(node, torch.fx.Node):
         return None
     if is_op(node, "pow") and len(node.args) == 2 and not node.kwargs and node.args[1] == 2:
         return node.args[0]
-    pair = _binary(node, "mul")
+    pair = binary_operands(node, "mul")
     if pair is not None and _same_value(pair[0], pair[1]):
         return pair[0]
     if is_op(node, "square") and len(node.args) == 1 and not node.kwargs:
@@ -292,7 +279,7 @@ def _denominator(stat: torch.fx.Node):
     ``sqrt(stat + eps)`` / ``(stat + eps) ** ±0.5`` / ``1 / sqrt(..)`` (eps may be absent), else None."""
     base, nodes, eps = stat, set(), 0.0
     for user in stat.users:
-        other = _other(user, "add", stat)
+        other = binary_other(user, "add", stat)
         if other is not None and _is_scalar(other):
             base, nodes, eps = user, {user}, other
             break
@@ -314,7 +301,7 @@ def _reciprocal_of(root: torch.fx.Node, nodes: set) -> tuple[set, torch.fx.Node,
     (``1 / sqrt(..)``, ``torch.reciprocal(sqrt(..))``), which then multiplies the value."""
     if len(root.users) == 1:
         user = next(iter(root.users))
-        pair = _binary(user, "div")
+        pair = binary_operands(user, "div")
         if pair is not None and pair[1] is root and is_number(pair[0]) and pair[0] == 1 or (
             is_op(user, "reciprocal") and user.args == (root,) and not user.kwargs
         ):
@@ -338,22 +325,22 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
     either order, weight of shape (n,) and not computed from the normalised tensor source)."""
     for user in root.users:
         if is_sqrt:
-            pair = _binary(user, "div")
+            pair = binary_operands(user, "div")
             candidate = pair[0] if pair is not None and pair[1] is root else None
         else:
-            candidate = _other(user, "mul", root)
+            candidate = binary_other(user, "mul", root)
         if not isinstance(candidate, torch.fx.Node):
             continue
         if accept(candidate):
             return _Scaled(user, candidate)
-        pair = _binary(candidate, "mul")
+        pair = binary_operands(candidate, "mul")
         for value, weight in (pair, pair[::-1]) if pair is not None else ():
             t = tensor_meta(weight)
             if accept(value) and t is not None and t.dim() == 1 and _same_size(t.shape[0], n) \
                     and not _depends_on(weight, {source}):
                 return _Scaled(user, value, weight, candidate)
     for user in root.users:
-        if _other(user, "add", root) is not None and _is_scalar(_other(user, "add", root)):
+        if binary_other(user, "add", root) is not None and _is_scalar(binary_other(user, "add", root)):
             raise _Miss(f"eps is added after the square root ({root.name} + eps), not under it as "
                         "LayerNorm / RMSNorm add it: not the same function")
     form = "value / sqrt(...)" if is_sqrt else "value * rsqrt(...)"
@@ -362,7 +349,7 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
 
 def _centered(node: object, mean: torch.fx.Node) -> bool:
     """node is X - mean(X)."""
-    pair = _binary(node, "sub") if isinstance(node, torch.fx.Node) else None
+    pair = binary_operands(node, "sub") if isinstance(node, torch.fx.Node) else None
     return pair is not None and pair[1] is mean and _same_value(pair[0], mean.args[0])
 
 
@@ -374,7 +361,7 @@ def _match_rms(mean: torch.fx.Node) -> _Core | None:
     y = _square_of(mean.args[0])
     if y is None:
         return None
-    if isinstance(y, torch.fx.Node) and _binary(y, "sub") and _is_mean_node(y.args[1]) \
+    if isinstance(y, torch.fx.Node) and binary_operands(y, "sub") and _is_mean_node(y.args[1]) \
             and _centered(y, y.args[1]):
         return None  # the variance of a hand-written LayerNorm: matched from its mean
     chain = _denominator(mean)
@@ -459,7 +446,7 @@ def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
         return None
     stat, mean, x = items[0], items[1], vm.args[0]
     subs = [u for u in mean.users
-            if _binary(u, "sub") and u.args[1] is mean and _same_value(u.args[0], x)]
+            if binary_operands(u, "sub") and u.args[1] is mean and _same_value(u.args[0], x)]
     if not subs:
         return None
     chain = _stat_chain(stat, is_op(vm, "std_mean"))
@@ -522,7 +509,7 @@ def _two_norm(node: torch.fx.Node):
 
 def _divides(node: torch.fx.Node, by: torch.fx.Node, x) -> bool:
     """node is x / by (x or an exact upcast of it)."""
-    pair = _binary(node, "div")
+    pair = binary_operands(node, "div")
     if pair is None or pair[1] is not by:
         return False
     return _same_value(pair[0], x) or _upcast_root(pair[0]) is _upcast_root(x)
@@ -541,9 +528,9 @@ def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
         return None
     n = t.shape[norm_dim(dim, t.dim())]
     rms = next(iter(norm.users))
-    c, inverse = _other(rms, "mul", norm), False
+    c, inverse = binary_other(rms, "mul", norm), False
     if c is None:
-        pair = _binary(rms, "div")
+        pair = binary_operands(rms, "div")
         c, inverse = (pair[1], True) if pair is not None and pair[0] is norm else (None, False)
     if c is None or not _is_scalar(c) or is_number(c) and c == 0:
         return None
@@ -556,7 +543,7 @@ def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
         return None  # a norm, but not scaled to a root mean square (F.normalize-like): not a candidate
     variant = "hand-written RMSNorm (2-norm / sqrt(N))"
     for user in rms.users:
-        eps = _other(user, "add", rms)
+        eps = binary_other(user, "add", rms)
         if eps is not None and _is_scalar(eps) and any(_divides(u, user, x) for u in user.users):
             raise _Miss("eps is added to the root mean square (x / (norm / sqrt(N) + eps)), not under the "
                         "square root as RMSNorm does (x * rsqrt(mean(x²) + eps)): not the same function")
@@ -603,11 +590,11 @@ def _widen_tail(core: _Core) -> None:
                 core.tail.append(("weight + bias", user, affine))
                 cur = user
                 continue
-        is_mul = not has_weight and not has_bias and _other(user, "mul", cur) is not None
-        is_add = not core.is_rms and not has_bias and _other(user, "add", cur) is not None
+        is_mul = not has_weight and not has_bias and binary_other(user, "mul", cur) is not None
+        is_add = not core.is_rms and not has_bias and binary_other(user, "add", cur) is not None
         if not (is_mul or is_add):
             break
-        operand = _other(user, "mul" if is_mul else "add", cur)
+        operand = binary_other(user, "mul" if is_mul else "add", cur)
         t = tensor_meta(operand)
         if t is None or operand is cur:
             break
@@ -677,7 +664,16 @@ def _dropout_p(node: torch.fx.Node) -> float:
         inplace = arg(node, 3, "inplace", False)
     if not isinstance(training, bool):
         raise _Miss(f"dropout's training flag is not a constant ({training!r})")
-    p = _constant(p, "dropout p") if training else 0.0
+    if not training:
+        if isinstance(p, torch.fx.Node):
+            # With dynamic=True, p is a float input that the folded dropout was the only reader of; Inductor
+            # would specialise it, restarting dynamo after this run was counted. Specialise it here instead.
+            try:
+                _constant(p, "dropout p")
+            except _Miss:
+                pass  # data-dependent: nothing to specialise, and eval dropout ignores p anyway
+        return 0.0
+    p = _constant(p, "dropout p")
     if not 0.0 <= p < 1.0:
         raise _Miss(f"dropout p={p} is outside [0, 1)")
     if inplace and p > 0.0:
@@ -696,7 +692,7 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
     t = tensor_meta(h)
     if is_op(h, "dropout"):
         return [_Inputs(h.args[0], None, _dropout_p(h), [h], h)]
-    pair = _binary(h, "add")
+    pair = binary_operands(h, "add")
     if pair is None or not all(isinstance(a, torch.fx.Node) for a in pair):
         return [_Inputs(h, None, 0.0, [], None)]
     metas = [tensor_meta(a) for a in pair]
