@@ -184,9 +184,9 @@ def _reference_rows(logits, target, ignore_index, label_smoothing):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
 @pytest.mark.parametrize("block", [None, 16])  # None: one chunk per row; 16: several, the last partial
 def test_interpret_kernels(monkeypatch, dtype, label_smoothing, block):
-    if block is not None:
+    if block is not None:  # and backward programs of 3 rows each: 7 rows end inside the last program's group
         monkeypatch.setattr(ce, "_fwd_config", lambda classes: (block, 1))
-        monkeypatch.setattr(ce, "_bwd_config", lambda classes: (block, 1))
+        monkeypatch.setattr(ce, "_bwd_config", lambda classes: (block, 1, 3))
     rows, classes = 7, 37
     logits = _padded_logits(rows, classes, dtype)
     logits[2, :30] = float("-inf")  # a row whose lanes mostly see only -inf
@@ -201,13 +201,14 @@ def test_interpret_kernels(monkeypatch, dtype, label_smoothing, block):
 
     grad_loss = torch.randn(rows)
     for grad_logits in (None, torch.randn(rows, classes)):
-        padded = ce.cross_entropy_bwd_launch(grad_loss, grad_logits, logits, lse, target, -100,
-                                             label_smoothing)
+        padded, grad_bias = ce.cross_entropy_bwd_launch(grad_loss, grad_logits, logits, lse, target, -100,
+                                                        label_smoothing, bias_grad=True)
         expected = ce._grad_logits_reference(grad_loss, grad_logits, logits, ref_lse, target, -100,
                                              label_smoothing)
         assert padded.dtype == dtype and padded.shape == (rows, padded_classes(classes)) == (rows, 40)
         assert torch.count_nonzero(padded[:, classes:]) == 0  # the GEMMs read the padding: it must be 0
         grad = padded[:, :classes]
+        torch.testing.assert_close(grad_bias, grad.float().sum(0))  # the column sums of what was stored
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(grad.float(), expected, atol=tol, rtol=tol)
         if grad_logits is None:  # the ignored row: exactly 0, also where its softmax is not finite
@@ -223,7 +224,7 @@ def test_interpret_out_of_range_target_is_nan_and_broadcast_grad_loss():
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1:]).all()
     grad_loss = torch.full((1,), 0.5).expand(3)  # what autograd hands back from a mean: stride 0
     target = target[:1].expand(3).contiguous()
-    grad = ce.cross_entropy_bwd_launch(grad_loss, None, logits, lse, target, -100, 0.0)[:, :10]
+    grad = ce.cross_entropy_bwd_launch(grad_loss, None, logits, lse, target, -100, 0.0)[0][:, :10]
     expected = ce._grad_logits_reference(grad_loss, None, logits, lse, target, -100, 0.0)
     torch.testing.assert_close(grad, expected)
 

@@ -7,9 +7,9 @@ them once and writes the gradient once; nothing else of size M x V is touched.
 Forward: one program per row streams the row in BLOCK_V chunks, keeping per lane a running maximum and a
 sum of exponentials rescaled to it (lanes are merged once, after the loop, so the loop has no cross-lane
 reduction), the row's sum of logits when label smoothing needs it, and gathers the target's logit.
-Backward: one program per (row, BLOCK_V chunk), chunks of a row on consecutive programs, recomputes the
-softmax from the saved logsumexp, and writes zeros into the row's padding so that the GEMMs can read the
-padded rows whole.
+Backward: one program per (group of rows, BLOCK_V chunk) recomputes the softmax from the saved logsumexp
+row by row, writes zeros into the rows' padding so that the GEMMs can read the padded rows whole, and sums
+its columns for the bias gradient.
 Arithmetic is fp32; exponentials are base 2 on logits pre-scaled by log2(e).
 """
 
@@ -76,6 +76,7 @@ def _cross_entropy_fwd_kernel(
 @triton.jit
 def _cross_entropy_bwd_kernel(
     GRAD,  # (M, VP) out, the logits' dtype; row stride stride_grad; columns [V, VP) get 0
+    DBIAS_PARTIAL,  # (row groups, VP) fp32 out: each group's column sums of GRAD (HAS_DBIAS)
     LOGITS,  # (M, V); row stride stride_logits
     LSE,  # (M,) fp32, from the forward
     TARGET,  # (M,) integer class indices
@@ -85,30 +86,45 @@ def _cross_entropy_bwd_kernel(
     stride_logits,  # row stride of LOGITS
     stride_grad_loss,  # stride of GRAD_LOSS
     stride_grad_logits,  # row stride of GRAD_LOGITS
+    M,  # rows
     V,  # classes
     VP,  # padded classes written to GRAD (>= V)
     ignore_index,
     label_smoothing,
+    rows_per_group,
     BLOCK_V: tl.constexpr,
     CHUNKS_PER_ROW: tl.constexpr,  # cdiv(VP, BLOCK_V)
     HAS_GRAD_LOGITS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
 ):
-    # A 1-D grid: rows are unbounded (a 2-D grid's second dimension stops at 65535), and a row's chunks
-    # run on consecutive programs, which stream through it in address order.
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // CHUNKS_PER_ROW
+    # A 1-D grid of (row group, column chunk) programs, the chunks of a group on consecutive programs. A
+    # program walks its group's rows in one column chunk, so the bias gradient (the column sums) stays in
+    # registers: no second pass over the (M, V) gradient for it.
+    pid = tl.program_id(0)
+    group = pid // CHUNKS_PER_ROW
     cols = (pid % CHUNKS_PER_ROW) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < V
-    z = tl.load(LOGITS + row * stride_logits + cols, mask=in_row, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + row)
-    target = tl.load(TARGET + row).to(tl.int64)
-    grad_loss = tl.load(GRAD_LOSS + row * stride_grad_loss)
-    # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V
-    onehot = tl.where(cols == target, 1.0 - label_smoothing, 0.0)
-    grad = tl.exp2((z - lse) * LOG2E) - label_smoothing / V - onehot
-    # An ignored row's loss is the constant 0: its gradient is exactly 0 (not 0 * NaN where lse is -inf).
-    grad = tl.where(target == ignore_index, 0.0, grad * grad_loss)
-    if HAS_GRAD_LOGITS:
-        grad += tl.load(GRAD_LOGITS + row * stride_grad_logits + cols, mask=in_row, other=0.0).to(tl.float32)
-    grad = tl.where(in_row, grad, 0.0)
-    tl.store(GRAD + row * stride_grad + cols, grad.to(GRAD.dtype.element_ty), mask=cols < VP)
+    dbias = tl.zeros([BLOCK_V], tl.float32)
+    row = group * rows_per_group
+    row_end = tl.minimum(row + rows_per_group, M)
+    while row < row_end:  # a runtime bound: the interpreter cannot range() over one
+        row64 = row.to(tl.int64)
+        z = tl.load(LOGITS + row64 * stride_logits + cols, mask=in_row, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + row64)
+        target = tl.load(TARGET + row64).to(tl.int64)
+        grad_loss = tl.load(GRAD_LOSS + row64 * stride_grad_loss)
+        # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V
+        onehot = tl.where(cols == target, 1.0 - label_smoothing, 0.0)
+        grad = tl.exp2((z - lse) * LOG2E) - label_smoothing / V - onehot
+        # An ignored row's loss is the constant 0: its gradient is exactly 0 (not 0 * NaN where lse is -inf).
+        grad = tl.where(target == ignore_index, 0.0, grad * grad_loss)
+        if HAS_GRAD_LOGITS:
+            grad += tl.load(GRAD_LOGITS + row64 * stride_grad_logits + cols, mask=in_row,
+                            other=0.0).to(tl.float32)
+        grad = tl.where(in_row, grad, 0.0).to(GRAD.dtype.element_ty)
+        tl.store(GRAD + row64 * stride_grad + cols, grad, mask=cols < VP)
+        if HAS_DBIAS:
+            dbias += grad.to(tl.float32)  # the rounded values: the bias gradient of the gradient stored
+        row += 1
+    if HAS_DBIAS:
+        tl.store(DBIAS_PARTIAL + group.to(tl.int64) * VP + cols, dbias, mask=cols < VP)

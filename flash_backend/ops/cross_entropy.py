@@ -13,7 +13,8 @@ GEMMs get 16-byte aligned rows. Here:
   logits are a view of those padded rows (row stride `padded_classes(V)`, as Inductor's own padded logits);
 - the forward reads them once (one Triton pass: logsumexp, target logit, label smoothing's mean);
 - the backward reads them once and writes the gradient once, into padded rows whose padding is zero, which
-  both GEMMs then read whole; the bias gradient comes from the weight-gradient GEMM's BGRADB epilogue.
+  both GEMMs then read whole; the same pass sums the gradient's columns for the bias gradient (cuBLASLt's
+  BGRADB ran that as a separate 0.46 ms kernel at BERT's head on the H200, re-reading the 1 GB gradient).
 
 The logits stay an output: models return them (transformers' `.logits`), and a gradient reaching them (a
 distillation loss, or the zeros AOTAutograd feeds an unused output) is added in the same backward pass.
@@ -26,8 +27,9 @@ upcast its logits first, as transformers' causal-LM loss does). A target outside
 ignore_index raises on the CPU path, as PyTorch does; the CUDA kernel cannot raise and makes that row's
 loss NaN instead.
 
-Paths. CUDA, fp16/bf16 with K a multiple of 8: cuBLASLt GEMMs + the Triton passes. CUDA otherwise: PyTorch
-GEMMs + the Triton passes. CPU: the plain-PyTorch reference (also what the fake mirrors: same padded rows).
+Paths. CUDA, fp16/bf16 with K a multiple of 8: the cuBLASLt forward GEMM, PyTorch's backward GEMMs on the
+padded rows, the Triton passes. CUDA otherwise: PyTorch GEMMs on the unpadded logits + the Triton passes.
+CPU: the plain-PyTorch reference (also what the fake mirrors: same padded rows).
 """
 
 from __future__ import annotations
@@ -156,11 +158,13 @@ def _fwd_config(num_classes: int) -> tuple[int, int]:
     return block, max(1, min(4, block // 256))
 
 
-def _bwd_config(num_classes: int) -> tuple[int, int]:
-    """H200, same shape, reading logits and writing the gradient: 1024 x 8 warps 2.87 TB/s; 1024 x 4,
-    2048 x 4 or 8 and 4096 x 8: 0.98-1.09 TB/s."""
+def _bwd_config(num_classes: int) -> tuple[int, int, int]:
+    """(BLOCK_V, num_warps, rows per program). H200, same shape, reading logits and writing the gradient
+    one row per program: 1024 x 8 warps 2.87 TB/s; 1024 x 4, 2048 x 4 or 8 and 4096 x 8: 0.98-1.09 TB/s.
+    128 rows per program keeps BERT's 16384 rows at 3840 programs, and the fp32 partial column sums
+    (one row of them per 128 rows) at 1/64 of the gradient's bytes."""
     block = min(1024, triton.next_power_of_2(num_classes))
-    return block, max(1, min(8, block // 128))
+    return block, max(1, min(8, block // 128)), 128
 
 
 def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int,
@@ -179,21 +183,25 @@ def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int,
 
 
 def cross_entropy_bwd_launch(grad_loss: Tensor, grad_logits: Tensor | None, logits: Tensor, lse: Tensor,
-                             target: Tensor, ignore_index: int, label_smoothing: float) -> Tensor:
-    """The gradient of the logits in their dtype, as whole padded rows: (M, padded_classes(V)), the
-    columns past V zero."""
+                             target: Tensor, ignore_index: int, label_smoothing: float,
+                             bias_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(the gradient of the logits in their dtype, as whole padded rows: (M, padded_classes(V)), the
+    columns past V zero; with `bias_grad`, its column sums (V,) in fp32, else None)."""
     rows, num_classes = logits.shape
     padded = padded_classes(num_classes)
     grad = logits.new_empty(rows, padded)
+    block, warps, rows_per_group = _bwd_config(num_classes)
+    groups = triton.cdiv(rows, rows_per_group)
+    partial = torch.zeros(groups if bias_grad else 0, padded, device=logits.device, dtype=torch.float32)
     if rows:
-        block, warps = _bwd_config(num_classes)
         chunks = triton.cdiv(padded, block)
         grad_in = grad_logits if grad_logits is not None else grad  # unread unless HAS_GRAD_LOGITS
-        _cross_entropy_bwd_kernel[(rows * chunks,)](
-            grad, logits, lse, target, grad_loss, grad_in, grad.stride(0), logits.stride(0),
-            grad_loss.stride(0), grad_in.stride(0), num_classes, padded, ignore_index, float(label_smoothing),
-            BLOCK_V=block, CHUNKS_PER_ROW=chunks, HAS_GRAD_LOGITS=grad_logits is not None, num_warps=warps)
-    return grad
+        _cross_entropy_bwd_kernel[(groups * chunks,)](
+            grad, partial, logits, lse, target, grad_loss, grad_in, grad.stride(0), logits.stride(0),
+            grad_loss.stride(0), grad_in.stride(0), rows, num_classes, padded, ignore_index,
+            float(label_smoothing), rows_per_group, BLOCK_V=block, CHUNKS_PER_ROW=chunks,
+            HAS_GRAD_LOGITS=grad_logits is not None, HAS_DBIAS=bias_grad, num_warps=warps)
+    return grad, partial.sum(0)[:num_classes] if bias_grad else None
 
 
 def _pad_classes(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -268,22 +276,16 @@ def linear_cross_entropy_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: T
 def _(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing, has_bias):
     _check_bwd(grad_loss, grad_logits, x, weight)
     grad_logits = _unit_columns(grad_logits) if grad_logits is not None else None
-    grad = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target, ignore_index,
-                                    label_smoothing)
+    grad, grad_bias = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target,
+                                               ignore_index, label_smoothing, bias_grad=has_bias)
+    grad_bias = grad_bias.to(x.dtype) if has_bias else x.new_empty(0)
     num_classes = weight.shape[0]
     if not _fast_gemms(x):
         grad = grad[:, :num_classes]
-        grad_bias = grad.sum(0) if has_bias else x.new_empty(0)
         return grad @ weight, grad.t() @ x, grad_bias
     # The padded rows whole (zero past V) with the zero-padded weight: every GEMM dimension a multiple of 8.
     padded_weight, _ = _pad_classes(weight, None)
-    x = x.contiguous()
-    if has_bias:
-        grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad, x)
-        grad_bias = grad_bias[:num_classes]
-    else:
-        grad_weight, grad_bias = grad.t() @ x, x.new_empty(0)
-    return grad @ padded_weight, grad_weight[:num_classes], grad_bias
+    return grad @ padded_weight, (grad.t() @ x.contiguous())[:num_classes], grad_bias
 
 
 @linear_cross_entropy_bwd.register_fake
