@@ -586,6 +586,8 @@ class _Candidate:
         self.chain: list[Node] = []  # nodes the rewrite makes dead
         self.scale = 1.0
         self.symbolic_scales: list[tuple[str, Node]] = []  # ("mul" | "div", SymFloat node)
+        # ("mul" | "div", tensor constant along the key dim, scores' shape where it applies): put on q
+        self.q_scales: list[tuple[str, Node, tuple]] = []
         self.masks = _Masks()
         self.q = self.k = self.v = None
         self.q_perm = self.k_perm = self.v_perm = None  # permutes into (batch..., S, D)
@@ -689,6 +691,30 @@ def _row_max_of(node, x: Node, consumer: Node) -> list[Node] | None:
     return chain
 
 
+def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
+    """(scores, "mul" | "div", t) for scores * t or scores / t with t a runtime tensor constant along the
+    key dim: a 0-d temperature, a learned per-head scale (H, 1, 1) (Swin V2's logit_scale), a per-query
+    one. Then scores·t = (q·t)·kᵀ exactly, so t moves onto q (the rewrite checks that it fits q). Else
+    raise: a factor that varies along the keys, or one that is not a tensor."""
+    pairs = [node.args] if op_name(node) == "div" else [node.args, node.args[::-1]]
+    for scores, t in pairs:
+        shape = _shape(t)
+        if (
+            isinstance(scores, Node)
+            and isinstance(t, Node)
+            and _reaches_matmul(scores)
+            and not _reaches_matmul(t)
+            and shape is not None
+            and (not shape or _holds(shape[-1] == 1))
+            and _dtype(t).is_floating_point
+            and _dtype(node) == _dtype(scores)
+            and _same_dims(_shape(node), _shape(scores))
+        ):
+            return scores, op_name(node), t
+    raise _Skip(f"scores are scaled by '{node.name}', which is not a compile-time constant, nor a tensor "
+                "constant along the key dim that keeps the scores' shape and dtype")
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
     consumer = softmax
@@ -725,7 +751,11 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
         if name in ("mul", "div"):
             scaled = _scale_operand(x)
             if scaled is None:
-                raise _Skip(f"scores are scaled by '{x.name}', which is not a compile-time constant")
+                scores, kind, factor = _row_scale_operand(x)
+                steps.append(("tensor scale", factor))
+                cand.q_scales.append((kind, factor, _shape(scores)))
+                consumer, x = x, scores
+                continue
             if not _reaches_matmul(scaled[0]):
                 raise _Skip(f"'{x.name}' does not scale the q·kᵀ scores")
             if isinstance(scaled[1], tuple):
@@ -808,8 +838,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             seen_mask = True
         elif kind == "scale" and seen_add:
             raise _Skip("the scores are scaled after an additive mask was added")
-        elif kind == "symbolic scale" and seen_mask:
-            raise _Skip("the scores are scaled by a symbolic scalar (sign unknown) after masking")
+        elif kind in ("symbolic scale", "tensor scale") and seen_mask:
+            raise _Skip(f"the scores are scaled by a {kind.split()[0]} factor (sign unknown) after masking")
     return x
 
 
@@ -1273,10 +1303,20 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
             k_node, v_node, enable_gqa = k_base, v_base, True
             k_shape, v_shape = _shape(k_base), _shape(v_base)
     _check_op_limits(*layout.op_shapes(q_shape, k_shape, v_shape), src)
+    for _, factor, stage in cand.q_scales:
+        # q·kᵀ's own layout (no view between), and q takes the factor without growing or changing dtype
+        t = tensor_meta(factor)
+        if not (_same_dims(stage, scores_shape) and _fits(tuple(t.shape), q_shape) and (
+            t.dim() == 0 or t.dtype == src
+        )):
+            raise _Skip(f"the scores' scale '{factor.name}' {list(t.shape)} ({t.dtype}) does not carry over "
+                        f"to q {list(q_shape)} ({src})")
 
     from flash_backend.ops.attention import flash_attention
 
     q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
+    for kind, factor, _ in cand.q_scales:
+        q_in = insert_call(graph, torch.mul if kind == "mul" else torch.div, (q_in, factor), like=softmax)
     k_in = _permuted(graph, k_node, cand.k_perm, softmax)
     v_in = _permuted(graph, v_node, cand.v_perm, softmax)
     q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
@@ -1301,6 +1341,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     details = [
         f"scale={cand.scale:.4g}"
         + "".join(f" {'*' if k == 'mul' else '/'} {n.name}" for k, n in cand.symbolic_scales)
+        + "".join(f" {'*' if k == 'mul' else '/'} {n.name} (on q)" for k, n, _ in cand.q_scales)
     ]
     if is_causal:
         details.append("causal")

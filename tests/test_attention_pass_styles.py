@@ -228,6 +228,42 @@ def _mask_bool_sdpa_style_and_scale_on_k(q, k, v, keep):
     return s.softmax(-1) @ v
 
 
+# Scale by a runtime tensor constant along the keys: moved onto q, (q·kᵀ)·t == (q·t)·kᵀ
+
+
+def _scale_by_tensor(q, k, v, t):
+    return torch.softmax(q @ k.transpose(-2, -1) * t, dim=-1) @ v
+
+
+def _temperature_by_tensor(q, k, v, t):
+    return torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q, k) / t, dim=-1) @ v
+
+
+def _scale_by_tensor_then_causal_mask(q, k, v, t):
+    s = (q @ k.transpose(-2, -1)) * t * 0.5
+    return torch.softmax(s.masked_fill(~_causal_keep(q.shape[-2]), float("-inf")), dim=-1) @ v
+
+
+TENSOR_SCALES = [
+    (_scale_by_tensor, lambda: torch.tensor(0.3)),  # a learned temperature
+    (_scale_by_tensor, lambda: torch.rand(H, 1, 1) + 0.5),  # learned per head
+    (_temperature_by_tensor, lambda: torch.rand(B, 1, S, 1) + 0.5),  # per query
+    (_scale_by_tensor_then_causal_mask, lambda: torch.rand(1, H, 1, 1) + 0.5),
+]
+
+
+# The factor's gradient is a cancelling sum, over the keys in eager and over the head dim once the factor
+# is on q: equal in exact arithmetic (1e-14 apart in fp64), not in fp32 rounding.
+FACTOR_GRAD_TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("fn, factor", TENSOR_SCALES, ids=["0d", "per_head", "per_query", "per_head_causal"])
+def test_scale_by_a_tensor_moves_onto_q(fn, factor):
+    (node,) = _check_same(fn, *_qkv(B=B, H=H, S=S, D=D), factor(), tol=FACTOR_GRAD_TOL)
+    assert node.kwargs["scale"] == pytest.approx(0.5 if fn is _scale_by_tensor_then_causal_mask else 1.0)
+    assert node.kwargs["is_causal"] is (fn is _scale_by_tensor_then_causal_mask)
+
+
 # Dropout on the probabilities (p = 0 or not training, so numerics compare)
 
 
@@ -472,6 +508,26 @@ class FalconStyleAttention(nn.Module):
         return self.dense((p @ v).transpose(1, 2).reshape(b, s, c))
 
 
+class SwinV2StyleCosineAttention(nn.Module):
+    """Swin V2's cosine attention: normalised q·kᵀ times a clamped, exponentiated per-head logit scale,
+    plus a learned relative position bias."""
+
+    def __init__(self, dim=48, heads=3, tokens=7):
+        super().__init__()
+        self.heads = heads
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads, 1, 1) + 1))
+        self.bias = nn.Parameter(0.1 * torch.randn(heads, tokens, tokens))
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
+        attn = (attn + self.bias.unsqueeze(0)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
 def _module_cases():
     x32, x48 = torch.randn(B, 13, 32), torch.randn(B, 7, 48)
     keep = _keep_rows(B, 13)[:, None, :]
@@ -485,6 +541,7 @@ def _module_cases():
         "annotated_transformer": (AnnotatedStyleAttention(), (x32, keep.long())),
         "mingpt_nn_softmax": (GPTStyleAttention(), (x32,)),
         "falcon_alibi_inplace_div": (FalconStyleAttention(), (x32, alibi)),
+        "swin_v2_logit_scale": (SwinV2StyleCosineAttention(), (x48,)),
     }
 
 
@@ -495,7 +552,8 @@ def _module_cases():
 def test_attention_modules(name, training, options):
     torch.manual_seed(0)
     module, inputs = _module_cases()[name]
-    (node,) = _check_same(module.train(training), *inputs, options=options)
+    tol = FACTOR_GRAD_TOL if name == "swin_v2_logit_scale" else TOL
+    (node,) = _check_same(module.train(training), *inputs, options=options, tol=tol)
     if name.startswith(("llama", "mistral")):
         assert node.kwargs["enable_gqa"] is True
         assert node.args[1].meta["example_value"].shape[1] == 2  # the un-repeated k
@@ -567,14 +625,6 @@ def _where_mask_enlarges_scores(q, k, v, keep):
     return torch.softmax(s, -1) @ v
 
 
-def _per_head_learned_scale(q, k, v, t):
-    return torch.softmax(q @ k.transpose(-2, -1) * t, dim=-1) @ v
-
-
-def _temperature_tensor(q, k, v, t):
-    return torch.softmax(q @ k.transpose(-2, -1) / t, dim=-1) @ v
-
-
 def _log_softmax(q, k, v):
     return torch.log_softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
 
@@ -598,6 +648,11 @@ def _negative_scale(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * -0.25, -1) @ v
 
 
+def _scale_by_promoting_tensor(q, k, v, t):
+    # fp32 scores times an fp64 factor are fp64 scores, cast back: q·t would be an fp64 q
+    return torch.softmax((q @ k.transpose(-2, -1) * t).to(q.dtype), dim=-1) @ v
+
+
 def _scale_after_where_mask_by_tensor(q, k, v, t):
     s = torch.where(_causal_keep(q.shape[-2]), q @ k.transpose(-2, -1), float("-inf"))
     return torch.softmax(s * t, -1) @ v
@@ -609,13 +664,13 @@ NEAR_MISSES = [
     (_k_bshd_permute_mixing_batch_and_heads, (), "not by a swap of its last two dims"),
     (_probs_used_twice, (), "also returned or reused"),
     (_where_mask_enlarges_scores, (torch.rand(3, 1, 1, 8) > 0.5,), "broadcasts the scores"),
-    (_per_head_learned_scale, (torch.rand(8, 1, 1, requires_grad=True),), "not a compile-time constant"),
-    (_temperature_tensor, (torch.rand(1, 8, 8, 1) + 0.5,), "not a compile-time constant"),
+    (_scale_by_tensor, (torch.rand(1, 1, 1, 8) + 0.5,), "not a compile-time constant"),  # per key
+    (_scale_by_promoting_tensor, (torch.rand(8, 1, 1, dtype=torch.float64),), "not a compile-time constant"),
     (_row_min_subtracted, (), "neither a constant nor their row max"),
     (_row_max_of_other_scores, (), "neither a constant nor their row max"),
     (_fill_zero, (), "not -inf or a large negative"),
     (_negative_scale, (), "not a positive finite number"),
-    (_scale_after_where_mask_by_tensor, (torch.tensor(0.5),), "not a compile-time constant"),
+    (_scale_after_where_mask_by_tensor, (torch.tensor(0.5),), "(sign unknown) after masking"),
 ]
 
 
