@@ -102,6 +102,86 @@ def binary_other(node: object, name: str, this: torch.fx.Node):
     return pair[1] if pair[0] is this else pair[0]
 
 
+# Results that may share memory with their first argument (views, and casts / contiguous that return self
+# when there is nothing to do): a write through one is a write to all. Generous on purpose: an alias too
+# many costs a fusion, one too few a wrong rewrite.
+_ALIASING = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
+    "expand_as", "transpose", "swapaxes", "swapdims", "movedim", "permute", "t", "getitem", "narrow",
+    "select", "slice", "as_strided", "unfold", "split", "chunk", "unbind", "diagonal", "detach", "alias",
+    "contiguous",
+    "to", "type", "type_as", "float", "half", "bfloat16", "double", "real", "view_as_real",
+})
+# Written into their first argument although not spelled with a trailing underscore.
+_WRITERS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+            operator.iand, operator.ior, operator.ixor, operator.setitem)
+# Pure although spelled with a trailing underscore (dynamo records `a & b` as operator.and_).
+_PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
+
+
+def is_in_place(node: object) -> bool:
+    """Whether node writes into its first argument: an in-place method or function (``add_``,
+    ``masked_fill_``, ``torch.relu_``), an augmented assignment or item assignment, or ``inplace=True``
+    (``F.dropout``'s fourth positional argument too)."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    if node.op == "call_function" and node.target in _PURE_UNDERSCORED:
+        return False
+    if node.op == "call_function" and node.target in _WRITERS or node.kwargs.get("inplace") is True:
+        return True
+    if op_name(node) == "dropout" and len(node.args) > 3 and node.args[3] is True:
+        return True
+    name = str(op_name(node) or node.target)
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _is_alias_of_arg0(node: torch.fx.Node) -> bool:
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.op == "call_function" and node.target is getattr:  # x.T, x.mT, x.real
+        return True
+    return op_name(node) in _ALIASING or is_in_place(node)  # x.mul_(2) returns x
+
+
+def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ()) -> list[torch.fx.Node]:
+    """The nodes outside allowed that write into node's memory: into node itself, into what node is a view
+    of, or into another view of that (``out=`` included). Where such a write runs decides what each reader
+    sees, so a pass that moves or merges the readers must mind them."""
+    allowed = set(allowed)
+    base = node
+    while _is_alias_of_arg0(base):
+        base = base.args[0]
+    writers, pending, seen = [], [base], set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in allowed:
+                continue
+            if (is_in_place(u) and u.args and u.args[0] is n) or u.kwargs.get("out") is n:
+                writers.append(u)
+            elif _is_alias_of_arg0(u) and u.args[0] is n:
+                pending.append(u)
+    return writers
+
+
+def written_before_end(pattern: Iterable[torch.fx.Node], end: torch.fx.Node) -> tuple | None:
+    """(node, writer) for a tensor the pattern reads that is written in place outside it before its last
+    node (end), else None. The passes put the fused op right after its inputs: a write that ran between
+    an input and the pattern would then come after the op, which would read the value before it. Writes
+    after end are harmless: the op has read by then, and writes to end itself move with end's readers."""
+    pattern = set(pattern)
+    order = {n: i for i, n in enumerate(end.graph.nodes)}
+    reads = pattern | {a for n in pattern for a in n.all_input_nodes}
+    for node in sorted(reads, key=order.get):
+        for writer in in_place_writers(node, pattern):
+            if order[writer] < order[end]:
+                return node, writer
+    return None
+
+
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
     """Argument by position or keyword (positions count self first for methods)."""
     if len(node.args) > index:

@@ -40,6 +40,7 @@ from fx_passes._match import (
     is_op,
     op_name,
     tensor_meta,
+    written_before_end,
 )
 from fx_passes._report import record_near_miss, record_rewrite
 
@@ -276,6 +277,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
 
+    written = written_before_end({linear, h, *region}, end)
+    if written is not None:  # dynamo may read one node before and after the write: no single value
+        raise _Miss(f"{variant}: {written[0].name} is written in place by {written[1].name} before the GELU "
+                    "ends; not fused")
     if _slower_than_unfused(x, weight, mat2, bias):
         raise _Miss(f"{variant}: a training graph on CUDA, where the fused op's forward+backward measured "
                     "slower than Inductor (see flash_backend/config.py; set dense_training_on_cuda=True "

@@ -66,6 +66,7 @@ from fx_passes._match import (
     op_name,
     tensor_meta,
     val,
+    written_before_end,
 )
 from fx_passes._report import record_near_miss, record_rewrite
 
@@ -759,7 +760,18 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
         res, hv = result[1], tensor_meta(h)
         if res.dtype != hv.dtype or not _same_shape(res, hv):
             raise _Miss(f"the residual output would be {res.dtype}, eager's sum is {hv.dtype}")
+    _check_not_written(pattern, end)
     return args, kwargs, return_residual, pattern
+
+
+def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node) -> None:
+    """No tensor the pattern reads is written in place outside it before it ends: dynamo's graph can read a
+    tensor by the same node before and after ``x.mul_(3)``, and then no single value is normalised."""
+    found = written_before_end(pattern, end)
+    if found is not None:
+        node, writer = found
+        raise _Miss(f"{node.name} is written in place by {writer.name} ({op_name(writer)}) before the norm "
+                    "ends: what it reads depends on where it runs")
 
 
 def _fake_result(fn, args, kwargs):

@@ -280,6 +280,18 @@ def test_near_miss_written_out_gelu_whose_input_is_read_elsewhere():
     _check_near_miss(Params(lambda m, x: (lambda h: new_gelu(h) + h)(F.linear(x, m.w, m.b))), "also feeds")
 
 
+def test_near_miss_input_written_in_place_before_the_linear():
+    # the Linear reads x after x.mul_(2), by the node that held x before it: the fused op, placed after its
+    # inputs, would read it before the write
+    def fn(m, x):
+        x = x * 1
+        s = x.sum()
+        x.mul_(2)
+        return F.gelu(F.linear(x, m.w, m.b)) * s
+
+    _check_near_miss(Params(fn), "written in place")
+
+
 def test_near_miss_addmm_with_beta():
     _check_near_miss(Params(lambda m, x: F.gelu(torch.addmm(m.b, x, m.w.t(), beta=0.5))), "alpha/beta",
                      x=torch.randn(4, K))

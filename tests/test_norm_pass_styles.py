@@ -581,6 +581,33 @@ def test_near_miss_unbiased_std_in_an_annotated_transformer_block():
     assert counters["flash"]["norm_skipped"] == 2, str(report)
 
 
+def test_near_miss_input_written_in_place_between_its_reads():
+    # dynamo reads x by one node before and after x.mul_(3): the mean of squares saw x, the scaled value 3x
+    def fn(m, x):
+        x = x * 1
+        ms = x.pow(2).mean(-1, keepdim=True)
+        x.mul_(3)
+        return x * torch.rsqrt(ms + EPS)
+
+    _check_near_miss(Fn(fn), (_x(3, N),), "written in place")
+
+
+def test_pre_norm_sum_written_in_place_after_the_norm():
+    # the write comes after the norm has read h: it now writes the op's residual output, as eager wrote h
+    def fn(m, x, r):
+        h = x + r
+        y = F.layer_norm(h, (N,))
+        h.mul_(2)
+        return y + h
+
+    # forward only: eager's own backward refuses the write (layer_norm saved h)
+    model = Fn(fn, bias=False)
+    with collecting() as report:
+        compiled, _ = _rewritten(model)
+        _assert_same(model, compiled, (_x(3, N), _x(3, N)), grads=False)
+    assert counters["flash"]["norm"] == 1 and "pre-norm" in str(report), str(report)
+
+
 def test_explain_names_the_location_of_a_near_miss():
     def fn(m, x):
         return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + EPS)
