@@ -8,7 +8,8 @@ the weight-gradient GEMM (flash_backend/ops/dense.py).
 What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
 backward): ``F.linear(x, w, b)`` (nn.Linear), or ``torch.addmm(b, x, m)`` with default alpha/beta
 (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back to (..., N)),
-followed by a GELU of that output:
+or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``torch.mm``, ``x @ m`` with m (K, N)) and
+optionally ``+ b`` of shape (N,) on either side, followed by a GELU of that output:
 
 - ``F.gelu(h)`` / ``nn.GELU`` / transformers' GELUActivation, with its ``approximate`` kept exactly;
 - GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
@@ -18,8 +19,9 @@ followed by a GELU of that output:
   never becomes a tanh one.
 
 Left alone, with the reason reported: a Linear whose output has users besides the GELU (its
-pre-activation is needed elsewhere), an addmm with alpha/beta, and a candidate whose fused result
-would differ in dtype or shape from eager's (checked by running the op on the fake inputs).
+pre-activation is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads that is written
+in place before it ends, and a candidate whose fused result would differ in dtype or shape from eager's
+(checked by running the op on the fake inputs).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import importlib
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
 from fx_passes._match import (
@@ -96,7 +99,8 @@ def _bias_add(mm: torch.fx.Node):
     (add,) = mm.users
     b = binary_other(add, "add", mm)
     bt, mt = tensor_meta(b), tensor_meta(mm)
-    if bt is None or mt is None or bt.dim() != 1 or mt.dim() < 1 or bt.shape[0] != mt.shape[-1]:
+    if bt is None or mt is None or bt.dim() != 1 or mt.dim() < 1 \
+            or not statically_known_true(bt.shape[0] == mt.shape[-1]):  # no guard on a symbolic N
         return None
     return add, b
 
