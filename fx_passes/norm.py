@@ -39,7 +39,9 @@ promoted, and reported with its reason. Look-alikes that are other functions are
 variance or standard deviation (``x.var(-1)``, ``var_mean`` / ``std`` defaults, ``correction=1``), eps added
 after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + eps)``, ``sqrt(ms) + eps``),
 eps added to or a clamp of the 2-norm's root mean square (``x / (norm * N ** -0.5 + eps)``, Zhang &
-Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains').
+Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains'). So is a pattern one of whose tensors is
+written in place before it ends (dynamo reads it by one node before and after the write); and a cast that
+loses values (bf16 -> fp16 loses range) is never folded as an upcast.
 """
 
 from __future__ import annotations
