@@ -501,13 +501,18 @@ def _scalar_factor(node):
     return None
 
 
+def _plain_binary(node: Node) -> bool:
+    """Two operands and no keyword changing the op: `torch.div(s, 8, rounding_mode="floor")` rounds."""
+    return len(node.args) == 2 and all(value is None for value in node.kwargs.values())
+
+
 def _scale_operand(node: Node):
     """(tensor operand, factor) of a multiply or divide by a scalar, else None.
 
     factor is a float, or ("mul" | "div", node) for a symbolic scalar.
     """
     name = op_name(node)
-    if name not in ("mul", "div") or len(node.args) != 2:
+    if name not in ("mul", "div") or not _plain_binary(node):
         return None
     a, b = node.args
     if name == "div":
@@ -697,7 +702,7 @@ def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
     one. Then scores·t = (q·t)·kᵀ exactly, so t moves onto q (the rewrite checks that it fits q). Else
     raise: a factor that varies along the keys, or one that is not a tensor."""
     pairs = [node.args] if op_name(node) == "div" else [node.args, node.args[::-1]]
-    for scores, t in pairs:
+    for scores, t in pairs if _plain_binary(node) else []:
         shape = _shape(t)
         if (
             isinstance(scores, Node)

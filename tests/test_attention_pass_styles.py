@@ -648,6 +648,10 @@ def _negative_scale(q, k, v):
     return torch.softmax(q @ k.transpose(-2, -1) * -0.25, -1) @ v
 
 
+def _div_rounding(q, k, v):
+    return torch.softmax(torch.div(q @ k.transpose(-2, -1), 0.5, rounding_mode="floor"), -1) @ v
+
+
 def _scale_by_promoting_tensor(q, k, v, t):
     # fp32 scores times an fp64 factor are fp64 scores, cast back: q·t would be an fp64 q
     return torch.softmax((q @ k.transpose(-2, -1) * t).to(q.dtype), dim=-1) @ v
@@ -668,6 +672,7 @@ NEAR_MISSES = [
     (_scale_by_promoting_tensor, (torch.rand(8, 1, 1, dtype=torch.float64),), "not a compile-time constant"),
     (_row_min_subtracted, (), "neither a constant nor their row max"),
     (_row_max_of_other_scores, (), "neither a constant nor their row max"),
+    (_div_rounding, (), "not a compile-time constant"),
     (_fill_zero, (), "not -inf or a large negative"),
     (_negative_scale, (), "not a positive finite number"),
     (_scale_after_where_mask_by_tensor, (torch.tensor(0.5),), "(sign unknown) after masking"),
