@@ -36,9 +36,6 @@ dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", False)
 # F.cross_entropy over a Linear's logits (fx_passes/cross_entropy.py). Measured on the H200: see
 # bench/results/cross_entropy.json and e2e.json.
 cross_entropy_on_cuda: bool = _env_flag("FLASH_BACKEND_CROSS_ENTROPY", True)
-# F.linear calls sharing one input stacked into one (fx_passes/linear_group.py). Measured on the H200: see
-# e2e.json.
-group_linears_on_cuda: bool = _env_flag("FLASH_BACKEND_GROUP_LINEARS", True)
 
 # Not a rewrite switch: eager calls of flash_attention / add_dropout_norm on plain CUDA tensors skip the
 # dispatcher (flash_backend/ops/_eager.py); off sends every call through the registered torch.ops.flash ops.

@@ -74,5 +74,5 @@ class FlashGraphPass(CustomGraphPass):
         from flash_backend import config
 
         switches = (config.route_sdpa_calls_on_cuda, config.dense_training_on_cuda,
-                    config.cross_entropy_on_cuda, config.group_linears_on_cuda)
+                    config.cross_entropy_on_cuda)
         return (get_hash_for_files(tuple(str(f) for f in files)), chained, switches)
