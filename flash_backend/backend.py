@@ -40,6 +40,7 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     from flash_backend import config as flash_config
     from fx_passes import FlashGraphPass
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
+    from fx_passes._report import committed_only
 
     _ttir_memo.install()  # Inductor re-generates our kernels' Triton IR per call site otherwise
     config_patches: dict = {}
@@ -52,7 +53,8 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     user_pass = config_patches.get("pre_grad_custom_pass", inductor_config.pre_grad_custom_pass)
     config_patches["pre_grad_custom_pass"] = FlashGraphPass(chained=user_pass)
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    with committed_only():  # a compile that dynamo restarts is not counted (fx_passes/_report.py)
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
 def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
@@ -61,6 +63,8 @@ def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
     What explain() uses: it shows what the passes decide without paying for an Inductor compile.
     """
     from fx_passes import run_passes
+    from fx_passes._report import committed_only
 
-    run_passes(gm.graph)
+    with committed_only():
+        run_passes(gm.graph)
     return gm.forward

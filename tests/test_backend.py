@@ -152,3 +152,19 @@ def test_explain_reports_and_logs(caplog):
     assert "flash_backend" in str(report)
     # _Mlp has no candidate: nothing counted either way.
     assert sum(counters["flash"].values()) == len(report.decisions) == 0
+
+
+def test_a_restarted_compile_is_counted_once():
+    # dynamic=True with a dropout no norm takes: Inductor specialises its p and restarts dynamo's analysis
+    # after the passes ran, so they run twice; only the compile that completes is counted.
+    class LayerNormThenDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc, self.drop = nn.LayerNorm(16), nn.Linear(16, 16), nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.drop(self.fc(self.ln(x)))
+
+    counters.clear()
+    torch.compile(LayerNormThenDropout(), backend="flash", dynamic=True)(torch.randn(2, 5, 16))
+    assert dict(counters["flash"]) == {"norm": 1}
