@@ -20,7 +20,8 @@ returns them too, so a model that also returns them (``.logits``) still does.
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
 chain that changes values or row order (a slice, a transpose, a cast down or to fp64), and logits that do
-not come from an F.linear.
+not come from an F.linear, and a tensor the pattern reads that is written in place before the loss (the
+logits scaled in place, ``x.mul_(2)`` between the Linear and the loss).
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ import torch.fx
 import torch.nn.functional as F
 
 from flash_backend import config as flash_config
-from fx_passes._match import erase_unused, fake_call, insert_call, insert_getitem, is_op, op_name, tensor_meta
+from fx_passes._match import (
+    erase_unused,
+    fake_call,
+    insert_call,
+    insert_getitem,
+    is_op,
+    op_name,
+    tensor_meta,
+    written_before_end,
+)
 from fx_passes._report import record_near_miss, record_rewrite
 
 FAMILY = "cross_entropy"
@@ -140,6 +150,11 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
     bias = linear.kwargs.get("bias", bias)
     variant = "F.linear -> " + " -> ".join(op_name(n) for n in reversed(chain)) + " -> F.cross_entropy" \
         if chain else "F.linear -> F.cross_entropy"
+    written = written_before_end({linear, *chain, ce}, ce)
+    if written is not None:
+        node, writer = written
+        raise _Miss(f"{variant}: {node.name} is written in place by {writer.name} before the loss reads "
+                    "it; the fused op, placed after its inputs, would not see the write")
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
     want_loss, want_logits = tensor_meta(ce), tensor_meta(linear)

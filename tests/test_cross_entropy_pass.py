@@ -150,6 +150,28 @@ def test_downcast_logits_are_left_alone():
     _not_rewritten(lambda lg, y: F.cross_entropy(lg.half().float().view(-1, V), y.view(-1)), "half")
 
 
+def test_input_written_in_place_before_the_loss_is_left_alone():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(K, V)
+
+        def forward(self, x, labels):
+            logits = self.proj(x)
+            x.mul_(2.0)  # after the Linear read x; the fused op would sit after the target below, and read 2x
+            target = labels.view(-1)
+            return F.cross_entropy(logits.view(-1, V), target), logits
+
+    model, x, labels = InPlace(), torch.randn(3, 7, K), _labels((3, 7))
+    with torch.no_grad():
+        expected = model(x.clone(), labels)
+        counters.clear()
+        with collecting() as report:
+            got = torch.compile(model, backend=rewrite_only_backend)(x.clone(), labels)
+    assert counters["flash"]["cross_entropy"] == 0 and "written in place" in str(report), str(report)
+    torch.testing.assert_close(got, expected)
+
+
 def test_logits_not_from_a_linear_are_left_alone():
     def scaled(lg, y):
         return F.cross_entropy((lg * 0.5).view(-1, V), y.view(-1))
