@@ -1,4 +1,5 @@
-"""Linear + bias + GELU on the H200, bf16: flash (cuBLASLt epilogues) vs eager, Inductor, Inductor
+"""Linear + bias + GELU on the H200, bf16: flash (cuBLASLt epilogues or the Triton matmul, as measured per
+problem) vs eager, Inductor, Inductor
 max-autotune and torch._addmm_activation (forward only), forward and forward+backward, in one run.
 
     python bench/bench_dense.py [--approximate tanh,none] [--autotune-shapes 2] [--autotune-budget-s 240]
@@ -175,6 +176,12 @@ def main():
                 del x, w, b, grad
     path = results.write()
     print(f"\nwrote {path}\n")
+    from flash_backend.ops.dense import forward_path_choices
+
+    print("forward implementation measured fastest per problem (device, dtype, M bucket, K, N, bias, "
+          "approximate, training):")
+    for key, name in sorted(forward_path_choices().items(), key=str):
+        print(f"  {key[2:]}: {name}")
     print(markdown_table(
         ["GELU", "M", "K", "N", "mode", "flash", "eager", "inductor", "max-autotune", "addmm_act",
          "flash/inductor", "flash/best other"], table))

@@ -235,3 +235,63 @@ def test_opcheck_cuda(dtype):
     opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, None, False))
     opcheck(torch.ops.flash.cublaslt_linear, (x, w, None))
     opcheck(torch.ops.flash.cublaslt_linear_wgrad_bgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
+
+
+# --------------------------------------------------------------- the Triton forward (per-problem choice)
+
+
+def _triton_errors(x, w, b, approximate, store_pre, config):
+    out, pre = dense.triton_linear_gelu(x, w, b, approximate, store_pre, config)
+    exact_pre = F.linear(x.double(), w.double(), b.double() if b is not None else None)
+    exact = F.gelu(exact_pre, approximate=approximate)
+    eager_pre = F.linear(x, w, b)
+    errors = {"out": ((out.double() - exact).abs().max().item(),
+                      (F.gelu(eager_pre, approximate=approximate).double() - exact).abs().max().item())}
+    if store_pre:
+        errors["pre"] = ((pre.double() - exact_pre).abs().max().item(),
+                         (eager_pre.double() - exact_pre).abs().max().item())
+    else:
+        assert pre.numel() == 0
+    return errors
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(37, 24, 40), (130, 72, 136)])  # odd M; K ragged against BLOCK_K
+def test_interpret_triton_linear_gelu(approximate, bias, shape):
+    m, k, n = shape
+    x, w, b = _inputs((m, k), n, bias=bias)
+    for store_pre in (True, False):
+        for config in ((16, 16, 16, 2, 1, 1), (32, 16, 32, 1, 1, 1)):  # several groups; wrapped tiles
+            for name, (ours, eager) in _triton_errors(x, w, b, approximate, store_pre, config).items():
+                assert ours <= 2 * eager + 1e-5, (name, ours, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,bias", [((1000, 768, 3072), True), ((97, 1600, 6400), False),
+                                        ((4099, 256, 1024), True)])
+def test_cuda_triton_configs_match(approximate, dtype, shape, bias):
+    m, k, n = shape
+    x, w, b = _inputs((m, k), n, dtype, "cuda", bias=bias)
+    floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for config in dense.TRITON_CONFIGS:
+        for store_pre in (True, False):
+            for name, (ours, eager) in _triton_errors(x, w, b, approximate, store_pre, config).items():
+                assert ours <= 2 * eager + floor, (config, name, ours, eager)
+
+
+@pytest.mark.cuda
+def test_cuda_forward_path_is_measured_and_kept():
+    x, w, b = _inputs((512, 768), 3072, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        first = linear_bias_gelu(x, w, b, "none")
+        again = linear_bias_gelu(x, w, b, "none")
+    choices = {key: name for key, name in dense.forward_path_choices().items()
+               if key[1:] == (torch.bfloat16, 512, 768, 3072, True, "none", False)}
+    assert len(choices) == 1 and next(iter(choices.values())) in (
+        "cublaslt", *("triton" + "x".join(map(str, c)) for c in dense.TRITON_CONFIGS))
+    torch.testing.assert_close(first, again, rtol=0, atol=0)  # the kept choice runs, deterministically

@@ -13,20 +13,32 @@ tests/test_dense.py::test_cublaslt_gelu_epilogue_is_tanh). approximate="none" is
 through them: it takes the BIAS epilogue (which writes the pre-activation) and an erf GELU elementwise;
 backward uses the erf derivative. So the exact model stays exact, at the cost of one elementwise pass.
 
-Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt. Everything else
-(CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch. No Triton matmul: not
-written yet (see bench/NOTES_dense.md).
+Triton path. The forward has a second implementation: a Triton matmul whose epilogue adds the bias,
+computes either GELU (erf too) and stores the activation and the pre-activation
+(flash_backend/kernels/linear_gelu_kernels.py). Which one runs is decided per problem by measurement, not
+by guess: the first call of a (device, dtype, M rounded up to a power of 2, K, N, bias, GELU, training)
+problem times the cuBLASLt forward and each Triton configuration and keeps the fastest for that key
+(`forward_path_choices()` shows the decisions; inside CUDA-graph capture nothing is timed, and an
+undecided problem runs cuBLASLt).
+
+Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt or Triton as
+measured. Everything else (CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import Tensor
 
 from flash_backend import _cpp_build
+from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
+
+log = logging.getLogger("flash_backend")
 
 __all__ = ["linear_bias_gelu", "linear_bias", "dense_gelu_reference", "dense_bias_reference"]
 
@@ -169,6 +181,85 @@ def _as_2d(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+# --------------------------------------------------------------------------------------------------
+# The forward's two implementations, and the per-problem choice between them
+# --------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): candidates every problem times.
+TRITON_CONFIGS = ((128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4))
+
+
+def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str, store_pre: bool,
+                       config: tuple = TRITON_CONFIGS[0]) -> tuple[Tensor, Tensor]:
+    """(gelu(x @ weight.T + bias), the pre-activation or an empty tensor) for 2-D x: the Triton kernel."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = x.new_empty(rows, n)
+    pre = x.new_empty(rows, n) if store_pre else x.new_empty(0)
+    if rows == 0:
+        return out, pre
+    block_m, block_n, block_k, group_m, warps, stages = config
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
+    _linear_gelu_fwd_kernel[grid](
+        x, weight, bias if bias is not None else out, out, pre if store_pre else out, rows, n, x.stride(0),
+        weight.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        HAS_BIAS=bias is not None, APPROXIMATE_TANH=approximate == "tanh", STORE_PRE=store_pre,
+        num_warps=warps, num_stages=stages)
+    return out, pre
+
+
+def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
+                          store_pre: bool) -> tuple[Tensor, Tensor]:
+    if approximate == "tanh":
+        return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
+    pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
+    if store_pre:
+        return F.gelu(pre, approximate="none"), pre
+    return torch.ops.aten.gelu_(pre, approximate="none"), x.new_empty(0)
+
+
+_forward_choice: dict[tuple, str] = {}
+
+
+def forward_path_choices() -> dict[tuple, str]:
+    """The measured choice per problem:
+    {(device, dtype, M bucket, K, N, bias, approximate, training): implementation name}."""
+    return dict(_forward_choice)
+
+
+def _time_ms(fn, reps: int = 3) -> float:
+    fn()  # warm-up (and, for Triton, the compile)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
+def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
+                      store_pre: bool) -> tuple[Tensor, Tensor]:
+    """The forward on CUDA (x 2-D, all contiguous) by whichever implementation measured fastest here."""
+    candidates = {"cublaslt": lambda: _cublaslt_linear_gelu(x, weight, bias, approximate, store_pre)}
+    for config in TRITON_CONFIGS:
+        candidates["triton" + "x".join(map(str, config))] = (
+            lambda config=config: triton_linear_gelu(x, weight, bias, approximate, store_pre, config))
+    key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
+           bias is not None, approximate, store_pre)
+    name = _forward_choice.get(key)
+    if name is None:
+        if torch.cuda.is_current_stream_capturing():
+            return candidates["cublaslt"]()  # nothing is timed during capture; not decided either
+        times = {n: _time_ms(fn) for n, fn in candidates.items()}
+        name = min(times, key=times.get)
+        _forward_choice[key] = name
+        log.info("flash dense: %s for M~%d K=%d N=%d %s%s (ms: %s)", name, key[2], key[3], key[4],
+                 approximate, " training" if store_pre else "",
+                 ", ".join(f"{n} {t:.4f}" for n, t in times.items()))
+    return candidates[name]()
+
+
 def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
                       x_shape) -> tuple[Tensor, Tensor, Tensor]:
     grad_x = (grad_pre_2d @ weight).view(*x_shape)
@@ -197,11 +288,7 @@ def _(x, weight, bias, approximate):
         return out.contiguous(), pre.contiguous()
     shape = (*x.shape[:-1], weight.shape[0])
     bias = bias.contiguous() if bias is not None else None
-    if approximate == "tanh":
-        out, pre = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias, True)
-    else:
-        pre = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
-        out = F.gelu(pre, approximate="none")
+    out, pre = _linear_gelu_cuda(_as_2d(x), weight.contiguous(), bias, approximate, store_pre=True)
     return out.view(shape), pre.view(shape)
 
 
@@ -225,12 +312,8 @@ def _(x, weight, bias, approximate):
     if not _cublaslt_ok(x, weight):
         return dense_gelu_reference(x, weight, bias, approximate)[0].contiguous()
     bias = bias.contiguous() if bias is not None else None
-    shape = (*x.shape[:-1], weight.shape[0])
-    if approximate == "tanh":
-        out, _ = torch.ops.flash.cublaslt_linear_gelu_tanh(_as_2d(x), weight.contiguous(), bias, False)
-        return out.view(shape)
-    pre = torch.ops.flash.cublaslt_linear(_as_2d(x), weight.contiguous(), bias)
-    return torch.ops.aten.gelu_(pre, approximate="none").view(shape)
+    out, _ = _linear_gelu_cuda(_as_2d(x), weight.contiguous(), bias, approximate, store_pre=False)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @dense_gelu_inference.register_fake
