@@ -122,13 +122,56 @@ def backward_pieces():
         _backward_pieces_at(MS[0], k, n)
 
 
+def _forward_impls(x, w, b, approximate, store_pre) -> dict:
+    from flash_backend.ops import dense
+
+    impls = {"cublaslt": lambda: dense._cublaslt_linear_gelu(x, w, b, approximate, store_pre),
+             "cublaslt_gemm_bias_only": lambda: torch.ops.flash.cublaslt_linear(x, w, b)}
+    for c in ((128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4)):
+        impls["triton_" + "x".join(map(str, c))] = (
+            lambda c=c: dense.triton_linear_gelu(x, w, b, approximate, store_pre, c))
+    return impls
+
+
+def forward_paths():
+    """The forward's implementations side by side per problem, GPU time: cuBLASLt (GELU_AUX_BIAS for tanh,
+    BIAS + an erf GELU pass for none), each Triton config, and the bare cuBLASLt GEMM + bias for scale."""
+    from flash_backend.ops import dense
+
+    dense._extension()
+    results = Results("dense_forward_paths")
+    for m in MS:
+        for k, n in [*SHAPES, (3072, 768)]:
+            x = torch.randn(m, k, dtype=DTYPE, device="cuda")
+            w = torch.randn(n, k, dtype=DTYPE, device="cuda") / k**0.5
+            b = torch.randn(n, dtype=DTYPE, device="cuda")
+            for approximate in ("none", "tanh"):
+                for store_pre in (True, False):
+                    case = {"M": m, "K": k, "N": n, "dtype": "bf16", "approximate": approximate,
+                            "store_pre": store_pre}
+                    line = []
+                    for impl, fn in _forward_impls(x, w, b, approximate, store_pre).items():
+                        ms = bench_ms(fn)
+                        results.add(impl, "fwd", case, ms, tflops=2 * m * k * n / ms / 1e9)
+                        line.append(f"{impl} {ms * 1e3:.0f} us")
+                    print(f"M={m} K={k} N={n} {approximate} store_pre={store_pre:d}: " + ", ".join(line),
+                          flush=True)
+            results.write()
+    print(f"wrote {results.write()}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--approximate", default="tanh,none")
     parser.add_argument("--autotune-shapes", type=int, default=2)
     parser.add_argument("--autotune-budget-s", type=float, default=240.0)
     parser.add_argument("--profile", action="store_true", help="profile fwd+bwd at K=768 first")
+    parser.add_argument("--forward-paths", action="store_true",
+                        help="only the forward's implementations side by side (dense_forward_paths.json)")
     args = parser.parse_args()
+    if args.forward_paths:
+        forward_paths()
+        return
     if args.profile:
         backward_pieces()
         for m in MS:
