@@ -186,8 +186,9 @@ def _as_2d(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the candidates every problem times. H200
-# (bench/results/dense_forward_paths.json): 128 x 128 with 4 warps never beat 128 x 256 with 8 at the bench's
-# shapes, so only the latter is timed (each candidate costs a Triton compile at a problem's first call).
+# (bench/results/dense_forward_paths.json): 128 x 128 with 4 warps beat 128 x 256 with 8 only at M=8192,
+# (K, N) = (3072, 768), where both lost to cuBLASLt by 20-30 %; so only the latter is timed (each candidate
+# costs a Triton compile at a problem's first call).
 TRITON_CONFIGS = ((128, 256, 64, 8, 8, 3),)
 
 
