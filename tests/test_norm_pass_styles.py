@@ -541,8 +541,8 @@ def test_untouched_eps_multiplied_or_a_tensor():
     def times_eps(m, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) * 1.001)
 
-    def tensor_eps(m, x):  # eps is a parameter that could change: not a constant
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.bias[0])
+    def tensor_eps(m, x):  # eps is a parameter that could change: not a constant (squared: a random bias
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.bias[0] ** 2)  # may be < 0, rsqrt NaN)
 
     _check_untouched(Fn(times_eps), (_x(3, N),))
     _check_untouched(Fn(tensor_eps), (_x(3, N),))
