@@ -703,11 +703,12 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
         return [_Inputs(h, None, 0.0, [], None)]
     a, b = pair
     drops = [(d, r) for d, r in ((a, b), (b, a)) if is_op(d, "dropout") and d is not r]
-    if drops:
-        d, r = drops[0]
-        if len(d.users) > 1:
-            raise _Miss(f"dropout output {d.name} has other users: "
-                        + ", ".join(u.name for u in d.users if u is not h))
+    # A dropout whose output is read elsewhere too (DistilBERT's first layer: the embeddings' dropout feeds
+    # q/k/v and the residual add) cannot be folded, its mask would be drawn twice; it then stays where it
+    # is and its output is the add's plain residual operand.
+    foldable = [(d, r) for d, r in drops if len(d.users) == 1]
+    if foldable:
+        d, r = foldable[0]
         p = _dropout_p(d)
         return [_Inputs(d.args[0], r, p, [h, d], h)]
     return [_Inputs(a, b, 0.0, [h], h), _Inputs(b, a, 0.0, [h], h)]

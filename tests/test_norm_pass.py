@@ -571,12 +571,22 @@ def test_near_miss_unbiased_variance():
     _check_near_miss(Fn(fn), (_x(3, N),), "unbiased")
 
 
-def test_near_miss_dropout_output_with_other_users():
-    def fn(m, x, r):
-        d = F.dropout(x, 0.1, True)
+def test_dropout_output_with_other_users_stays_as_the_residual():
+    # Folding this dropout would draw its mask twice (once for d, once inside the op): it stays where it is
+    # and its output is the add's residual operand (DistilBERT's first layer, BART's: was a near miss).
+    def fn(x, r, p=0.1):
+        d = F.dropout(x, p, True)
         return F.layer_norm(d + r, (N,)), d
 
-    _check_near_miss(Fn(fn), (_x(3, N), _x(3, N)), "dropout output")
+    gm = _traced(fn, _x(3, N), _x(3, N))
+    norm.rewrite(gm.graph)
+    gm.graph.lint()
+    call = next(n for n in gm.graph.nodes if n.target is add_dropout_norm)
+    drop = next(n for n in gm.graph.nodes if n.target is F.dropout)
+    assert set(call.args[:2]) == {drop, next(n for n in gm.graph.nodes if n.name == "r")}
+    assert call.kwargs["dropout_p"] == 0.0
+    assert counters["flash"]["norm"] == 1 and counters["flash"]["norm_skipped"] == 0
+    _check_rewrite(Fn(lambda m, x, r: fn(x, r, 0.0)), (_x(3, N), _x(3, N)))  # numerics: p=0
 
 
 def test_near_miss_inplace_dropout_whose_input_has_other_users():

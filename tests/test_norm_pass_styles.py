@@ -548,13 +548,17 @@ def test_untouched_eps_multiplied_or_a_tensor():
     _check_untouched(Fn(tensor_eps), (_x(3, N),))
 
 
-def test_near_miss_dropout_output_read_before_the_add():
-    def fn(m, x, r):
-        d = F.dropout(x, 0.1, True)
+def test_dropout_output_read_before_the_add_is_not_folded():
+    # the dropout is read elsewhere too: it stays (one mask for both readers) and is the add's residual
+    def fn(m, x, r, p=0.0):
+        d = F.dropout(x, p, True)
         scale = d.sum(-1, keepdim=True)
         return F.layer_norm(d + r, (N,)) * scale
 
-    _check_near_miss(Fn(fn), (_x(3, N), _x(3, N)), "dropout output")
+    _check_rewrite(Fn(fn), (_x(3, N), _x(3, N)), text="residual add + F.layer_norm")
+    report = flash_backend.explain(Fn(lambda m, x, r: fn(m, x, r, 0.1)), _x(3, N), _x(3, N),
+                                   print_report=False)
+    assert [d.variant for d in report.decisions] == ["residual add + F.layer_norm"], str(report)
 
 
 def test_near_miss_unbiased_std_in_an_annotated_transformer_block():
