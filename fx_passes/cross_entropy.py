@@ -33,9 +33,11 @@ import numbers
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
 from fx_passes._match import (
+    binary_operands,
     erase_unused,
     fake_call,
     insert_call,
@@ -112,10 +114,48 @@ def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
         inp.dtype in (*_LOW_PRECISION, torch.float32) and out.device == inp.device and out.shape == inp.shape
 
 
-def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool]:
-    """(the F.linear node, the chain between it and the cross-entropy, whether the chain upcasts)."""
+def _linear_bias(linear: torch.fx.Node):
+    bias = (linear.args + (None,) * 3)[2]
+    return linear.kwargs.get("bias", bias)
+
+
+def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(linear, bias) when add is ``F.linear(x, w) + b`` (either order) with b a class bias: a tensor of the
+    logits' dtype, shaped (V,) or (1, .., 1, V), so the sum is the logits of F.linear(x, w, b.reshape(-1))
+    (BART's, mBART's and Pegasus' ``lm_head(h) + final_logits_bias``); else None, or _Miss with the reason
+    when the shape is there but something else is not."""
+    pair = binary_operands(add, "add")
+    if pair is None or not all(isinstance(a, torch.fx.Node) for a in pair):
+        return None
+    linears = [(a, b) for a, b in (pair, pair[::-1]) if is_op(a, "linear") and b is not a]
+    if not linears:
+        return None
+    linear, bias = linears[0]
+    out, logits, b = tensor_meta(add), tensor_meta(linear), tensor_meta(bias)
+    if out is None or logits is None or b is None or b.dim() < 1:
+        return None
+    ones = all(statically_known_true(n == 1) for n in b.shape[:-1])
+    if not ones or b.dim() > logits.dim() or not statically_known_true(b.shape[-1] == logits.shape[-1]):
+        return None  # not a class bias: left to the chain walk's own reason
+    if _linear_bias(linear) is not None:
+        raise _Miss(f"the logits add a second bias ({bias.name}) to a Linear that has one")
+    if b.dtype != logits.dtype or out.dtype != logits.dtype:
+        raise _Miss(f"the bias {bias.name} ({b.dtype}) added to the {logits.dtype} logits changes their "
+                    "dtype")
+    if len(linear.users) > 1:
+        raise _Miss(f"the Linear's output {linear.name} is also read without the added bias {bias.name}")
+    return linear, bias
+
+
+def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object]:
+    """(the F.linear node, the chain between it and the cross-entropy, whether the chain upcasts, a bias
+    added to the Linear's output in the chain or None)."""
     chain, upcast, node = [], False, ce_input
     while not is_op(node, "linear"):
+        added = _added_bias(node)
+        if added is not None:
+            chain.append(node)
+            return added[0], chain, upcast, added[1]
         if isinstance(node, torch.fx.Node) and node.op == "placeholder":
             raise _Miss(f"the logits ({node.name}) are an input of this graph (computed in another one, e.g. "
                         "before a graph break): there is no Linear here to fuse with")
@@ -132,7 +172,7 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
                         "reshape keeping the class dimension last or a single cast up to fp32")
         chain.append(node)
         node = source
-    return node, chain, upcast
+    return node, chain, upcast, None
 
 
 def _slower_than_unfused(*inputs) -> bool:
@@ -144,10 +184,12 @@ def _slower_than_unfused(*inputs) -> bool:
 def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
     args = _arguments(ce)
     _check_arguments(args)
-    linear, chain, upcast = _logits_source(args["input"])
-    x, weight, bias = (linear.args + (None,) * 3)[:3]
+    linear, chain, upcast, added_bias = _logits_source(args["input"])
+    x, weight = (linear.args + (None,) * 2)[:2]
     weight = linear.kwargs.get("weight", weight)
-    bias = linear.kwargs.get("bias", bias)
+    bias = _linear_bias(linear)
+    # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
+    logits_node = chain[-1] if added_bias is not None else linear
     variant = "F.linear -> " + " -> ".join(op_name(n) for n in reversed(chain)) + " -> F.cross_entropy" \
         if chain else "F.linear -> F.cross_entropy"
     written = written_before_end({linear, *chain, ce}, ce)
@@ -157,25 +199,33 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
                     "it; the fused op, placed after its inputs, would not see the write")
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
-    want_loss, want_logits = tensor_meta(ce), tensor_meta(linear)
+    want_loss, want_logits = tensor_meta(ce), tensor_meta(logits_node)
     kwargs = {"ignore_index": args["ignore_index"], "reduction": args["reduction"],
               "label_smoothing": float(args["label_smoothing"]),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
+    if added_bias is not None:  # (1, .., 1, V) -> (V,): the op's bias
+        bias = insert_call(graph, torch.reshape, (added_bias, (-1,)), like=logits_node)
     op_args = (x, weight, bias, args["target"])
     try:
-        result = fake_call(fn, op_args, kwargs)
-    except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
-        reason = str(e).splitlines()[0][:200]
-        raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
-    if not isinstance(result, tuple) or want_loss is None or want_logits is None or \
-            (result[0].dtype, tuple(result[0].shape)) != (want_loss.dtype, tuple(want_loss.shape)) or \
-            (result[1].dtype, tuple(result[1].shape)) != (want_logits.dtype, tuple(want_logits.shape)):
-        raise _Miss(f"{variant}: the fused op's (loss, logits) would differ in dtype or shape from eager's")
+        try:
+            result = fake_call(fn, op_args, kwargs)
+        except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
+            reason = str(e).splitlines()[0][:200]
+            raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
+        if not isinstance(result, tuple) or want_loss is None or want_logits is None or \
+                (result[0].dtype, tuple(result[0].shape)) != (want_loss.dtype, tuple(want_loss.shape)) or \
+                (result[1].dtype, tuple(result[1].shape)) != (want_logits.dtype, tuple(want_logits.shape)):
+            raise _Miss(f"{variant}: the fused op's (loss, logits) would differ in dtype or shape from "
+                        "eager's")
+    except _Miss:
+        if added_bias is not None:
+            graph.erase_node(bias)
+        raise
 
     fused = insert_call(graph, fn, op_args, kwargs, like=ce)
     loss, logits = insert_getitem(graph, fused, 0), insert_getitem(graph, fused, 1)
     ce.replace_all_uses_with(loss)
-    linear.replace_all_uses_with(logits)
+    logits_node.replace_all_uses_with(logits)
     record_rewrite(FAMILY, variant + (" (logits upcast to fp32)" if upcast else ""), _OP_NAME, ce)
     erase_unused(graph, [ce, *chain, linear])
 
