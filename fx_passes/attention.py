@@ -490,6 +490,65 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     return False
 
 
+def _masked_or_zero_value(v, factor: float) -> bool:
+    """v (a number or a constant tensor) is 0 or a masked-out value, also once multiplied by factor > 0."""
+    t = torch.as_tensor(v, dtype=torch.float64)
+    return bool(((t == 0) | ((t <= _MASKED_VALUE) & (t * factor <= _MASKED_VALUE))).all())
+
+
+_MASK_PASSTHROUGH = ("expand", "expand_as", "contiguous", "view", "reshape", "unsqueeze", "squeeze",
+                     "getitem", "to", "float", "type_as")
+
+
+def _zero_or_masked(node, factor: float, depth: int = 12) -> bool:
+    """Whether an additive mask takes only the value 0 and masked-out values (at or below _MASKED_VALUE,
+    also once multiplied by factor): a constant, torch.where(cond, a, b) or x.masked_fill(cond, v) of such
+    values, sums of such masks, seen through views, slices and float casts. transformers' eager masks are
+    `torch.where(keep, 0.0, finfo.min)`."""
+    if is_number(node):
+        return _masked_or_zero_value(node, factor)
+    if not isinstance(node, Node) or depth == 0:
+        return False
+    meta = tensor_meta(node)
+    if meta is None or not meta.dtype.is_floating_point:
+        return False
+    name = op_name(node)
+    if node.op == "call_function" and node.target is operator.getitem:
+        name = "getitem"
+    if name == "where" and len(node.args) == 3:
+        return all(_zero_or_masked(a, factor, depth - 1) for a in node.args[1:])
+    if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and not node.kwargs:
+        return _zero_or_masked(node.args[0], factor, depth - 1) and _zero_or_masked(
+            node.args[2], factor, depth - 1)
+    if name == "add" and len(node.args) == 2 and not node.kwargs:
+        return all(_zero_or_masked(a, factor, depth - 1) for a in node.args)
+    if name in _MASK_PASSTHROUGH and isinstance(node.args[0], Node) and tensor_meta(node.args[0]) is not None:
+        if _zero_or_masked(node.args[0], factor, depth - 1):
+            return True
+    if meta.numel() <= _CONST_EVAL_MAX_NUMEL:
+        try:
+            return _masked_or_zero_value(_const_eval(node), factor)
+        except Exception:  # noqa: BLE001 - not a compile-time constant
+            return False
+    return False
+
+
+def _softcapped(node, depth: int = 16, seen: set | None = None) -> bool:
+    """Whether node reaches q·kᵀ through a tanh (`tanh(s / cap) * cap`, Gemma 2's logit soft-capping)."""
+    seen = set() if seen is None else seen
+    if not isinstance(node, Node) or depth == 0 or node in seen:
+        return False
+    seen.add(node)
+    name = op_name(node)
+    if name == "tanh":
+        return isinstance(node.args[0], Node) and (
+            _reaches_matmul(node.args[0]) or _softcapped(node.args[0], depth - 1, seen)
+        )
+    if name in _RESHAPES + _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "where", "sub"):
+        return any(_softcapped(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
+    return False
+
+
 def _scalar_factor(node):
     """A constant as a float; a symbolic scalar (dynamic=True turns float attributes into inputs) as its
     node; anything else None."""
@@ -724,6 +783,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
     consumer = softmax
     steps: list[tuple[str, object]] = []
+    fills: dict[int, float] = {}  # a keep step's fill value, by step index
     side_reads: set[Node] = set()  # the row max of a `scores - scores.amax(-1, keepdim=True)` step
     while True:
         if not isinstance(x, Node):
@@ -806,6 +866,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
             if math.isfinite(value):
                 cand.finite_fills.append(value)
+            fills[len(steps)] = value
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, True))
             cand.masks.stages[cond] = _shape(x.args[0])
@@ -825,6 +886,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                             f"{list(_shape(x) or [])}")
             if math.isfinite(value):
                 cand.finite_fills.append(value)
+            fills[len(steps)] = value
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, not ra))
             cand.masks.stages[cond] = _shape(scores)
@@ -834,17 +896,28 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             raise _Skip(f"'{x.name}' updates the scores in place ({x.target.__name__}) on a view or a tensor "
                         "read elsewhere; only in-place updates of a freshly computed tensor are taken")
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
-    # A scale applied after an additive mask would scale the mask too: not the op's function.
-    seen_add = seen_mask = False
+    # A symbolic or tensor factor after any mask is left alone (sign unknown).
+    seen_mask = False
     for kind, _ in reversed(steps):  # innermost first
-        if kind == "add":
-            seen_add = seen_mask = True
-        elif kind == "keep":
+        if kind in ("add", "keep"):
             seen_mask = True
-        elif kind == "scale" and seen_add:
-            raise _Skip("the scores are scaled after an additive mask was added")
         elif kind in ("symbolic scale", "tensor scale") and seen_mask:
             raise _Skip(f"the scores are scaled by a {kind.split()[0]} factor (sign unknown) after masking")
+    # A constant scale after a mask. A fill must still be a masked value once scaled: where(m, s, -1e4) * 1e-3
+    # leaves -10, which softmax does not send to 0. An additive mask would be scaled too, (s + m) * c: taken
+    # only when m is 0 or masked out (still so once scaled), where s * c + m is the same function: CodeGen's
+    # `(w + causal_padding_mask) / scale_attn`. A real bias (Falcon's `(w + alibi) * inv_norm_factor`) is
+    # left alone: s * c + m * c rounds differently.
+    after = 1.0  # product of the constant scales outside the current step
+    for i, (kind, obj) in enumerate(steps):  # outermost first
+        if kind == "scale":
+            after *= obj
+        elif kind == "keep" and after != 1.0 and fills[i] * after > _MASKED_VALUE:
+            raise _Skip(f"the fill value {fills[i]:.3g} is scaled by {after:.3g} afterwards, to "
+                        f"{fills[i] * after:.3g}: not a masked-out value")
+        elif kind == "add" and after != 1.0 and not _zero_or_masked(obj, after):
+            raise _Skip("the scores are scaled after an additive mask was added, and the mask is not one of "
+                        "0 and masked-out values only")
     return x
 
 
@@ -1239,7 +1312,12 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         return
     cand = _Candidate()
     # Only softmaxes that sit between two matmuls are attention candidates worth a report.
-    if not _reaches_matmul(x) or not _feeds_matmul(softmax):
+    if not _feeds_matmul(softmax):
+        return
+    if not _reaches_matmul(x):
+        if _softcapped(x):
+            raise _Skip("the scores pass through tanh (logit soft-capping, as in Gemma 2): the op has no "
+                        "soft cap")
         return
     ndim = len(_shape(x))
     dim = arg(softmax, 1, "dim")
@@ -1443,7 +1521,11 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     if not (dtype == _dtype(k) == _dtype(v)):
         raise _Skip("q, k, v dtypes differ")
     if k_shape[1] != q_shape[1] and not enable_gqa:
-        raise _Skip("k/v heads differ from q heads without enable_gqa (SDPA raises)")
+        if not (_holds(k_shape[1] == 1) and _holds(v_shape[1] == 1)):
+            raise _Skip("k/v heads differ from q heads without enable_gqa (SDPA raises)")
+        # One k/v head broadcast over q's heads (Falcon's multi-query SDPA call): SDPA broadcasts the
+        # head dim like a batch dim, the same function as GQA with one group.
+        enable_gqa = True
     _check_op_limits(q_shape, k_shape, v_shape, dtype)
     if not symbolic_p and not 0.0 <= dropout_p < 1.0:
         raise _Skip(f"dropout_p={dropout_p} outside [0, 1)")
