@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
+from fx_passes._compat import restart_with_specialised_floats
 from fx_passes._match import (
     binary_operands,
     erase_unused,
@@ -45,6 +46,7 @@ from fx_passes._match import (
     is_op,
     op_name,
     tensor_meta,
+    val,
     written_before_end,
 )
 from fx_passes._report import record_near_miss, record_rewrite
@@ -79,6 +81,33 @@ def _arguments(ce: torch.fx.Node) -> dict:
     return bound.arguments
 
 
+# The symbols of dynamo's float inputs (zf0, ...) whose values this run of the pass baked in; see rewrite().
+_float_inputs_to_specialise: list = []
+
+
+def _symbolic_scalar(value: object) -> bool:
+    """A node whose value is a SymFloat / SymInt: with dynamic=True dynamo makes the number attributes of
+    a module (``self.loss_fct = nn.CrossEntropyLoss()``'s label_smoothing: DistilBERT's MLM head) inputs."""
+    return isinstance(value, torch.fx.Node) and isinstance(val(value), (torch.SymFloat, torch.SymInt))
+
+
+def _specialise(args: dict, name: str):
+    """The constant value of args[name], a number or a symbolic scalar that is then specialised: dynamo
+    guards on it (a change recompiles), and a float input is restarted as a constant (see rewrite())."""
+    value = args[name]
+    if not _symbolic_scalar(value):
+        return value
+    v = val(value)
+    try:
+        constant = float(v) if isinstance(v, torch.SymFloat) else int(v)
+    except Exception:  # noqa: BLE001 - data-dependent: there is no value to specialise on
+        raise _Miss(f"{name}={value.name} is not a constant (data-dependent)") from None
+    symbol = getattr(v.node, "_expr", None)
+    if isinstance(v, torch.SymFloat) and symbol is not None:
+        _float_inputs_to_specialise.extend(symbol.free_symbols)
+    return constant
+
+
 def _check_arguments(args: dict) -> None:
     if args["weight"] is not None:
         raise _Miss("class weights are not supported by the fused op")
@@ -86,10 +115,15 @@ def _check_arguments(args: dict) -> None:
         raise _Miss("the legacy size_average/reduce arguments are given")
     if args["reduction"] not in ("mean", "sum", "none"):
         raise _Miss(f"reduction={args['reduction']!r} is not a constant 'mean', 'sum' or 'none'")
-    if not isinstance(args["ignore_index"], int) or isinstance(args["ignore_index"], bool):
-        raise _Miss(f"ignore_index={args['ignore_index']!r} is not a constant int")
-    smoothing = args["label_smoothing"]
-    if not isinstance(smoothing, numbers.Real) or isinstance(smoothing, bool) or not 0.0 <= smoothing <= 1.0:
+    ignore_index, smoothing = args["ignore_index"], args["label_smoothing"]
+    if _symbolic_scalar(ignore_index) and isinstance(val(ignore_index), torch.SymInt):
+        pass  # specialised once every other check has passed (_rewrite_one)
+    elif not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise _Miss(f"ignore_index={ignore_index!r} is not a constant int")
+    if _symbolic_scalar(smoothing):
+        pass  # likewise; its range is checked then
+    elif not isinstance(smoothing, numbers.Real) or isinstance(smoothing, bool) or \
+            not 0.0 <= smoothing <= 1.0:
         raise _Miss(f"label_smoothing={smoothing!r} is not a constant in [0, 1]")
     inp, target = tensor_meta(args["input"]), tensor_meta(args["target"])
     if inp is None or target is None:
@@ -200,8 +234,11 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
     want_loss, want_logits = tensor_meta(ce), tensor_meta(logits_node)
-    kwargs = {"ignore_index": args["ignore_index"], "reduction": args["reduction"],
-              "label_smoothing": float(args["label_smoothing"]),
+    ignore_index, smoothing = _specialise(args, "ignore_index"), _specialise(args, "label_smoothing")
+    if not 0.0 <= smoothing <= 1.0:
+        raise _Miss(f"label_smoothing={smoothing!r} is not in [0, 1]")
+    kwargs = {"ignore_index": ignore_index, "reduction": args["reduction"],
+              "label_smoothing": float(smoothing),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
     if added_bias is not None:  # (1, .., 1, V) -> (V,): the op's bias
         bias = insert_call(graph, torch.reshape, (added_bias, (-1,)), like=logits_node)
@@ -234,8 +271,14 @@ def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
         return
+    _float_inputs_to_specialise.clear()
     for ce in [n for n in graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]:
         try:
             _rewrite_one(graph, fn, ce)
         except _Miss as miss:
             record_near_miss(FAMILY, "Linear + cross-entropy", str(miss), ce)
+    if _float_inputs_to_specialise:
+        # dynamic=True made a module float (label_smoothing) a graph input and a rewrite baked its value in:
+        # restart dynamo's analysis with it a constant, as the norm pass does (Inductor would anyway). The
+        # decisions of this run are not counted (fx_passes/_report.py: committed_only).
+        restart_with_specialised_floats(_float_inputs_to_specialise)
