@@ -1569,6 +1569,114 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     record_rewrite(FAMILY, variant, "flash_attention", out)
 
 
+_MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+               "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias",
+               "training", "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight",
+               "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k", "static_v",
+               "average_attn_weights", "is_causal")
+_MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+                 "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+                 "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+                 "is_causal": False}
+
+
+def _mha_arguments(node: Node) -> dict:
+    args = dict(_MHA_DEFAULTS)
+    args.update(zip(_MHA_PARAMS, node.args, strict=False))
+    args.update(node.kwargs)
+    return args
+
+
+def _rewrite_mha(graph: Graph, node: Node):
+    """nn.MultiheadAttention (F.multi_head_attention_forward, (L, N, E) inputs) -> its in-projection,
+    flash_attention over (N, H, L, D) and its out-projection: the same function, written out."""
+    a = _mha_arguments(node)
+    query, key, value = a["query"], a["key"], a["value"]
+    if not all(isinstance(t, Node) and len(_shape(t) or ()) == 3 for t in (query, key, value)):
+        raise _Skip("unbatched (2-d) or non-tensor query/key/value")
+    unsupported = [name for name in ("bias_k", "bias_v", "static_k", "static_v") if a[name] is not None]
+    unsupported += [name for name in ("add_zero_attn", "use_separate_proj_weight", "is_causal") if a[name]]
+    if unsupported:
+        raise _Skip(f"{', '.join(unsupported)} not supported by the rewrite")
+    if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        raise _Skip("the attention weights are used (need_weights)")
+    heads, embed = a["num_heads"], a["embed_dim_to_check"]
+    length, batch, width = _shape(query)
+    src_len = _shape(key)[0]
+    if not (isinstance(heads, int) and isinstance(embed, int) and _holds(width == embed)) or embed % heads:
+        raise _Skip("num_heads or embed_dim is not a constant that divides the embedding")
+    if not isinstance(a["training"], bool) or not (is_number(a["dropout_p"]) and 0 <= a["dropout_p"] < 1):
+        raise _Skip("training or dropout_p is not a constant (dropout_p in [0, 1))")
+    if tensor_meta(query).device.type == "cuda" and not a["need_weights"] and \
+            not flash_config.route_sdpa_calls_on_cuda:
+        raise _Skip("with need_weights=False MultiheadAttention runs SDPA's fused CUDA kernels, which "
+                    "flash_attention does not beat yet (flash_backend/config.py, route_sdpa_calls_on_cuda)")
+    dtype, head_dim = _dtype(query), embed // heads
+    if not (dtype == _dtype(key) == _dtype(value)):
+        raise _Skip("query, key, value dtypes differ")
+    shape4 = (batch, heads, length, head_dim)
+    _check_op_limits(shape4, (batch, heads, src_len, head_dim), (batch, heads, src_len, head_dim), dtype)
+    masks = _Masks()
+    for name in ("key_padding_mask", "attn_mask"):
+        mask = a[name]
+        if mask is not None and (not isinstance(mask, Node) or _shape(mask) is None):
+            raise _Skip(f"{name} is not a tensor")
+    kpm, attn_mask = a["key_padding_mask"], a["attn_mask"]
+    if kpm is not None and len(_shape(kpm)) != 2:
+        raise _Skip(f"key_padding_mask of shape {list(_shape(kpm))}, not (N, S)")
+    if attn_mask is not None and len(_shape(attn_mask)) not in (2, 3):
+        raise _Skip(f"attn_mask of shape {list(_shape(attn_mask))}, not (L, S) or (N * num_heads, L, S)")
+
+    before = set(graph.nodes)
+
+    def call(fn, args, kwargs=None):
+        return insert_call(graph, fn, args, kwargs or {}, like=node)
+
+    try:
+        for mask, view in ((kpm, (batch, 1, 1, src_len)), (attn_mask, (batch, heads, length, src_len))):
+            if mask is None:
+                continue
+            if len(_shape(mask)) != 2 or mask is kpm:
+                mask = call(torch.reshape, (mask, view))
+            # MultiheadAttention's bool masks mark what is masked out; float masks are added.
+            masks.keeps.append((mask, True)) if _dtype(mask) == torch.bool else masks.additive.append(mask)
+        masks.check((batch, heads, length, src_len))
+        weight, bias = a["in_proj_weight"], a["in_proj_bias"]
+        if key is query and value is query:
+            qkv = call(torch.nn.functional.linear, (query, weight, bias))
+            projected = [call(operator.getitem, (call(torch.chunk, (qkv, 3, -1)), i)) for i in range(3)]
+        else:
+            weights = call(torch.chunk, (weight, 3))
+            biases = call(torch.chunk, (bias, 3)) if bias is not None else None
+            projected = [call(torch.nn.functional.linear,
+                              (x, call(operator.getitem, (weights, i)),
+                               call(operator.getitem, (biases, i)) if biases is not None else None))
+                         for i, x in enumerate((query, key, value))]
+        # (S, N, E) -> (N, H, S, D)
+        q, k, v = (call(torch.permute, (call(torch.reshape, (t, (s, batch, heads, head_dim))), (1, 2, 0, 3)))
+                   for t, s in zip(projected, (length, src_len, src_len), strict=True))
+        mask, causal = masks.build(graph, node, length, src_len)
+        from flash_backend.ops.attention import flash_attention
+
+        dropout_p = float(a["dropout_p"]) if a["training"] else 0.0  # it drops only in training
+        out = call(flash_attention, (q, k, v), {**_mask_kwargs(mask, causal), "dropout_p": dropout_p})
+        out = call(torch.reshape, (call(torch.permute, (out, (2, 0, 1, 3))), (length, batch, embed)))
+        out = call(torch.nn.functional.linear, (out, a["out_proj_weight"], a["out_proj_bias"]))
+        want = tensor_meta(node.users and next(iter(node.users)))
+        got = tensor_meta(out)
+        if want is not None and (got is None or (got.dtype, got.shape) != (want.dtype, want.shape)):
+            raise _Skip("the written-out attention would differ in dtype or shape from MultiheadAttention's")
+    except Exception:
+        for n in reversed(list(graph.nodes)):  # what this attempt inserted (masks.build's nodes too)
+            if n not in before and not n.users:
+                graph.erase_node(n)
+        raise
+    for user in list(node.users):
+        user.replace_all_uses_with(out)
+    _erase_dead(graph, [node, *node.users])
+    record_rewrite(FAMILY, "nn.MultiheadAttention (F.multi_head_attention_forward)", "flash_attention", out)
+
+
 _INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add", "sub_": "sub"}
 # `scores += mask`, `q *= scaling` (fairseq): dynamo records augmented assignment as operator.iadd & co.
 _INPLACE_OPERATORS = {
@@ -1624,14 +1732,17 @@ def rewrite(graph: torch.fx.Graph) -> None:
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
             continue
         name = op_name(node)
-        if name not in ("softmax", "sdpa"):
+        if name not in ("softmax", "sdpa", "multi_head_attention_forward"):
             continue
-        variant = "scaled_dot_product_attention" if name == "sdpa" else "softmax attention"
+        variant = {"sdpa": "scaled_dot_product_attention", "softmax": "softmax attention",
+                   "multi_head_attention_forward": "nn.MultiheadAttention"}[name]
         try:
             if name == "sdpa":
                 _rewrite_sdpa(graph, node)
-            else:
+            elif name == "softmax":
                 _rewrite_softmax(graph, node)
+            else:
+                _rewrite_mha(graph, node)
         except _Skip as skip:
             record_near_miss(FAMILY, variant, str(skip), node)
         except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile

@@ -1161,3 +1161,72 @@ def test_transformers_bmm_layout_models(arch):
     ids = torch.randint(1, 97, (2, 16))
     inputs = {"input_ids": ids, "labels": ids, "attention_mask": (~_pad_mask(2, 16)).long()}
     _check_model(model.train(), inputs, rewrites=2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# nn.MultiheadAttention (and the nn.Transformer layers built on it): one F.multi_head_attention_forward
+# --------------------------------------------------------------------------------------------------------
+
+
+class _MHA(nn.Module):
+    """nn.MultiheadAttention called as users do, the extra arguments bound at construction."""
+
+    def __init__(self, cross=False, need_weights=False, **mha_kwargs):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, **mha_kwargs)
+        self.cross, self.need_weights, self.call_kwargs = cross, need_weights, {}
+
+    def forward(self, x, memory):
+        kv = memory if self.cross else x
+        out, weights = self.mha(x, kv, kv, need_weights=self.need_weights, **self.call_kwargs)
+        return out if weights is None else out + weights.sum()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask", [None, "key_padding", "causal_float", "bool"])
+def test_transformer_encoder_layer(batch_first, mask):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=batch_first).train()
+    x = torch.randn(2, 7, 32) if batch_first else torch.randn(7, 2, 32)
+    kwargs = {}
+    if mask == "key_padding":
+        kwargs["src_key_padding_mask"] = _pad_mask(2, 7)
+    elif mask == "causal_float":
+        kwargs["src_mask"] = nn.Transformer.generate_square_subsequent_mask(7)
+    elif mask == "bool":  # True = masked out, as MultiheadAttention reads it; every row keeps a key
+        kwargs["src_mask"] = torch.rand(7, 7) > 0.5
+        kwargs["src_mask"].fill_diagonal_(False)
+    _check_same(layer, x, rewrites=1, **kwargs)
+
+
+def test_multihead_cross_attention_float_mask_no_bias():
+    torch.manual_seed(0)
+    module = _MHA(cross=True, bias=False)
+    module.call_kwargs = {"attn_mask": torch.randn(5, 9)}  # an additive float bias
+    _check_same(module, torch.randn(5, 2, 32), torch.randn(9, 2, 32), rewrites=1)
+
+
+def test_multihead_attention_weights_unused_is_rewritten():
+    # need_weights=True (nn.MultiheadAttention's default) with the weights dropped: eager runs the unfused
+    # path to produce them; the output alone is the same function.
+    torch.manual_seed(0)
+    module = _MHA(need_weights=True)
+
+    def out_only(x):
+        return module.mha(x, x, x)[0]
+
+    _check_same(out_only, torch.randn(6, 2, 32), rewrites=1)
+
+
+@pytest.mark.parametrize("case", ["weights_used", "bias_k", "add_zero_attn"])
+def test_multihead_attention_near_misses(case):
+    torch.manual_seed(0)
+    module = {"weights_used": lambda: _MHA(need_weights=True),
+              "bias_k": lambda: _MHA(add_bias_kv=True),
+              "add_zero_attn": lambda: _MHA(add_zero_attn=True)}[case]()
+    x = torch.randn(6, 2, 32)
+    out, _ = _run_rewritten(module, x, x)
+    assert _rewrites() == (0, 1)
+    torch.testing.assert_close(out, module(x, x), **TOL)
+    reason = {"weights_used": "weights are used", "bias_k": "bias_k", "add_zero_attn": "add_zero_attn"}[case]
+    assert reason in str(flash_backend.explain(module, x, x, print_report=False))
