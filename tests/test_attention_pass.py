@@ -1230,3 +1230,32 @@ def test_multihead_attention_near_misses(case):
     torch.testing.assert_close(out, module(x, x), **TOL)
     reason = {"weights_used": "weights are used", "bias_k": "bias_k", "add_zero_attn": "add_zero_attn"}[case]
     assert reason in str(flash_backend.explain(module, x, x, print_report=False))
+
+
+@pytest.mark.cuda
+def test_multihead_attention_weights_unused_cuda():
+    """On CUDA the rewrite applies where eager runs MultiheadAttention's unfused path (weights requested,
+    then dropped): bf16 output and input gradient within 2x eager's own error against fp32, plus a floor."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(256, 4, batch_first=True).cuda()
+    exact_x = torch.randn(8, 512, 256, device="cuda", requires_grad=True)
+    padding = torch.zeros(8, 512, dtype=torch.bool, device="cuda")
+    padding[:, 400:] = True
+    exact = mha(exact_x, exact_x, exact_x, key_padding_mask=padding)[0]
+    (exact_grad,) = torch.autograd.grad(exact.square().sum(), exact_x)
+    mha = mha.to(torch.bfloat16)
+    x = exact_x.detach().to(torch.bfloat16).requires_grad_()
+
+    def fn(x):
+        return mha(x, x, x, key_padding_mask=padding)[0]
+
+    results = []
+    for run in (fn, torch.compile(fn, backend="flash")):
+        counters.clear()
+        out = run(x)
+        (grad,) = torch.autograd.grad(out.float().square().sum(), x)
+        results.append(((out.float() - exact).abs().max().item(),
+                        (grad.float() - exact_grad).abs().max().item()))
+    assert counters["flash"]["attention"] == 1
+    (eager_out, eager_grad), (flash_out, flash_grad) = results
+    assert flash_out <= 2 * eager_out + 1e-2 and flash_grad <= 2 * eager_grad + 1e-2, results
