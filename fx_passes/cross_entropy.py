@@ -14,8 +14,11 @@ What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, targe
 - at most one cast of fp16/bf16 logits up to fp32 (``.float()``, ``.to(torch.float32)``; transformers'
   causal-LM loss upcasts first),
 
-the output of ``F.linear(x, weight, bias)`` (``nn.Linear``). The logits keep every other user: the op
-returns them too, so a model that also returns them (``.logits``) still does.
+the output of ``F.linear(x, weight, bias)`` (``nn.Linear``), or of a bias-free one plus a class bias of
+shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``), which becomes the op's bias. The
+logits keep every other user: the op returns them too, so a model that also returns them (``.logits``)
+still does. A label_smoothing or ignore_index that dynamic=True made a symbolic input (a loss module
+stored on the model) is specialised, with a guard, once every other check has passed.
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
