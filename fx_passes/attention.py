@@ -27,6 +27,7 @@ dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``,
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
@@ -36,7 +37,18 @@ import torch.fx
 from torch.fx import Graph, Node
 
 from flash_backend import config as flash_config
-from fx_passes._match import arg, fake_call, insert_call, is_number, norm_dim, op_name, tensor_meta, val
+from fx_passes._match import (
+    arg,
+    fake_call,
+    in_place_writers,
+    insert_call,
+    is_in_place,
+    is_number,
+    norm_dim,
+    op_name,
+    tensor_meta,
+    val,
+)
 from fx_passes._report import record_near_miss, record_rewrite
 
 log = logging.getLogger("flash_backend")
@@ -103,48 +115,6 @@ def _is_static(t) -> bool:
     return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
 
 
-# Writes into args[0] besides _INPLACE_OPERATORS (the arithmetic ones the walk functionalises): `m &= cond`,
-# `m |= cond`, `m ^= cond`, `m[0] = x`, as dynamo records them.
-_OTHER_ARG0_WRITERS = (operator.iand, operator.ior, operator.ixor, operator.setitem)
-# Pure although spelled with a trailing underscore: dynamo records `a & b` / `a | b` / `not a` this way, and
-# transformers' mask functions combine their conditions with them.
-_PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
-
-
-def _is_in_place(node: Node) -> bool:
-    """Whether node writes into an argument: an augmented assignment, or a method / op named with a trailing
-    underscore (masked_fill_, add_) other than the pure operators and dunder methods spelled that way."""
-    if node.op == "call_function":
-        if node.target in _PURE_UNDERSCORED:
-            return False
-        if node.target in _INPLACE_OPERATORS or node.target in _OTHER_ARG0_WRITERS:
-            return True
-    name = str(op_name(node) or node.target)
-    return name.endswith("_") and not name.endswith("__")  # dunders (`__eq__`, transformers 5.17) are pure
-
-
-# Ops whose result may share memory with their first argument: an in-place write through one changes both.
-_ALIASING = _RESHAPES + ("expand", "transpose", "permute", "getitem", "t", "narrow", "select", "slice",
-                         "as_strided", "detach", "view_as", "alias", "contiguous")
-
-
-def _written_later(node: Node) -> bool:
-    """Whether some node writes into node's value, directly or through a view of it: then the value a use
-    sees depends on where the use is, and evaluating the producer alone would be wrong."""
-    pending, seen = [node], set()
-    while pending:
-        n = pending.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if _is_in_place(u) and u.args and u.args[0] is n:
-                return True
-            if op_name(u) in _ALIASING and u.args and u.args[0] is n:
-                pending.append(u)
-    return False
-
-
 def _const_eval(node, memo: dict | None = None):
     """The concrete value of a subgraph that reads no input (factories, constants, shapes), or raise.
 
@@ -160,9 +130,9 @@ def _const_eval(node, memo: dict | None = None):
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
     name = op_name(node) or getattr(node.target, "__name__", str(node.target))
-    if any(r in str(name) for r in _RANDOM_OPS) or _is_in_place(node):
+    if any(r in str(name) for r in _RANDOM_OPS) or is_in_place(node):
         raise _Skip("nondeterministic or in-place")
-    if _written_later(node):
+    if in_place_writers(node):  # then the value a use sees depends on where the use is
         raise _Skip("written in place after it is computed")
     meta = val(node)
     if isinstance(meta, torch.Tensor) and (not _is_static(meta) or meta.numel() > _CONST_EVAL_MAX_NUMEL):
@@ -951,9 +921,7 @@ def _is_zero_constant(node) -> bool:
         return node == 0
     # By construction, whatever its (possibly symbolic) size: GPT-NeoX's baddbmm(torch.zeros(B·H, S, S), ..)
     name = op_name(node) if isinstance(node, Node) else None
-    if name in ("zeros", "zeros_like", "new_zeros") and not any(
-        _is_in_place(u) for u in node.users
-    ):
+    if name in ("zeros", "zeros_like", "new_zeros") and not in_place_writers(node):
         return True  # and nothing writes into it in place
     try:
         value = _const_eval(node)
@@ -1448,7 +1416,7 @@ def _erase_dead(graph: Graph, roots):
         node = pending.pop()
         if getattr(node, "_erased", False) or node.users or node.op not in ("call_function", "call_method"):
             continue
-        if _is_in_place(node):
+        if is_in_place(node):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
@@ -1569,22 +1537,16 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     record_rewrite(FAMILY, variant, "flash_attention", out)
 
 
-_MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
-               "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias",
-               "training", "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight",
-               "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k", "static_v",
-               "average_attn_weights", "is_causal")
-_MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
-                 "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
-                 "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
-                 "is_causal": False}
+_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
 
 
 def _mha_arguments(node: Node) -> dict:
-    args = dict(_MHA_DEFAULTS)
-    args.update(zip(_MHA_PARAMS, node.args, strict=False))
-    args.update(node.kwargs)
-    return args
+    try:
+        bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError as e:
+        raise _Skip(f"cannot read the arguments of F.multi_head_attention_forward: {e}") from None
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _rewrite_mha(graph: Graph, node: Node):
