@@ -27,8 +27,8 @@ upcast its logits first, as transformers' causal-LM loss does). A target outside
 ignore_index raises on the CPU path, as PyTorch does; the CUDA kernel cannot raise and makes that row's
 loss NaN instead.
 
-Paths. CUDA, fp16/bf16 with K a multiple of 8: the cuBLASLt forward GEMM, PyTorch's backward GEMMs on the
-padded rows, the Triton passes. CUDA otherwise: PyTorch GEMMs on the unpadded logits + the Triton passes.
+Paths. CUDA: the Triton passes; the forward GEMM by cuBLASLt for fp16/bf16 with K a multiple of 8, by
+PyTorch otherwise; the backward GEMMs by PyTorch on the padded rows.
 CPU: the plain-PyTorch reference (also what the fake mirrors: same padded rows).
 """
 
@@ -213,8 +213,8 @@ def _pad_classes(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | 
     return weight, bias
 
 
-def _fast_gemms(x: Tensor) -> bool:
-    """cuBLASLt (csrc) for the GEMMs: CUDA fp16/bf16 with K a multiple of 8 (16-byte rows)."""
+def _cublaslt_forward(x: Tensor) -> bool:
+    """cuBLASLt (csrc) for the forward GEMM: CUDA fp16/bf16 with K a multiple of 8 (16-byte rows)."""
     return x.shape[1] % 8 == 0 and cublaslt_ready(x)
 
 
@@ -243,7 +243,7 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, tar
 def _(x, weight, bias, target, ignore_index, label_smoothing):
     _check(x, weight, bias, target, label_smoothing)
     num_classes = weight.shape[0]
-    if _fast_gemms(x):
+    if _cublaslt_forward(x):
         logits = torch.ops.flash.cublaslt_linear(x.contiguous(), *_pad_classes(weight, bias))[:, :num_classes]
     else:
         logits = _empty_logits(x.shape[0], num_classes, x)
@@ -279,13 +279,9 @@ def _(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, labe
     grad, grad_bias = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target,
                                                ignore_index, label_smoothing, bias_grad=has_bias)
     grad_bias = grad_bias.to(x.dtype) if has_bias else x.new_empty(0)
-    num_classes = weight.shape[0]
-    if not _fast_gemms(x):
-        grad = grad[:, :num_classes]
-        return grad @ weight, grad.t() @ x, grad_bias
     # The padded rows whole (zero past V) with the zero-padded weight: every GEMM dimension a multiple of 8.
     padded_weight, _ = _pad_classes(weight, None)
-    return grad @ padded_weight, (grad.t() @ x.contiguous())[:num_classes], grad_bias
+    return grad @ padded_weight, (grad.t() @ x)[:weight.shape[0]], grad_bias
 
 
 @linear_cross_entropy_bwd.register_fake

@@ -27,6 +27,7 @@ measured. Everything else (CPU, fp32, odd K/N, a failed build) runs the referenc
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -241,26 +242,34 @@ def _time_ms(fn, reps: int = 3) -> float:
     return start.elapsed_time(stop) / reps
 
 
+def _forward_implementations() -> dict:
+    """name -> fn(x, weight, bias, approximate, store_pre): what each problem's first call times."""
+    impls = {"cublaslt": _cublaslt_linear_gelu}
+    for config in TRITON_CONFIGS:
+        impls["triton" + "x".join(map(str, config))] = functools.partial(triton_linear_gelu, config=config)
+    return impls
+
+
+_FORWARDS = _forward_implementations()
+
+
 def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
                       store_pre: bool) -> tuple[Tensor, Tensor]:
     """The forward on CUDA (x 2-D, all contiguous) by whichever implementation measured fastest here."""
-    candidates = {"cublaslt": lambda: _cublaslt_linear_gelu(x, weight, bias, approximate, store_pre)}
-    for config in TRITON_CONFIGS:
-        candidates["triton" + "x".join(map(str, config))] = (
-            lambda config=config: triton_linear_gelu(x, weight, bias, approximate, store_pre, config))
+    args = (x, weight, bias, approximate, store_pre)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
     name = _forward_choice.get(key)
     if name is None:
         if torch.cuda.is_current_stream_capturing():
-            return candidates["cublaslt"]()  # nothing is timed during capture; not decided either
-        times = {n: _time_ms(fn) for n, fn in candidates.items()}
+            return _FORWARDS["cublaslt"](*args)  # nothing is timed during capture; not decided either
+        times = {n: _time_ms(lambda fn=fn: fn(*args)) for n, fn in _FORWARDS.items()}
         name = min(times, key=times.get)
         _forward_choice[key] = name
         log.info("flash dense: %s for M~%d K=%d N=%d %s%s (ms: %s)", name, key[2], key[3], key[4],
                  approximate, " training" if store_pre else "",
                  ", ".join(f"{n} {t:.4f}" for n, t in times.items()))
-    return candidates[name]()
+    return _FORWARDS[name](*args)
 
 
 def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
