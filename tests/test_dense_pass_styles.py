@@ -15,7 +15,18 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_dense_pass import MLP, K, Lambda, N, _assert_same, _check, _rewritten, erf_gelu, new_gelu
+from test_dense_pass import (
+    MLP,
+    Conv1D,
+    K,
+    Lambda,
+    N,
+    _assert_same,
+    _check,
+    _rewritten,
+    erf_gelu,
+    new_gelu,
+)
 from torch._dynamo.utils import counters
 
 from fx_passes import collecting
@@ -177,17 +188,6 @@ def test_written_out_erf_stays_exact():
 # --------------------------------------------------------------------------------------------------
 # Deep models: the GELU far from the end of the graph, and the two families together
 # --------------------------------------------------------------------------------------------------
-
-
-class Conv1D(nn.Module):
-    def __init__(self, nx, nf):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
-        self.bias = nn.Parameter(torch.randn(nf))
-
-    def forward(self, x):
-        size_out = x.size()[:-1] + (self.weight.shape[1],)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
 class GPT2Block(nn.Module):

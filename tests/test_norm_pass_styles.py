@@ -18,6 +18,7 @@ from test_norm_pass import (
     Fn,
     LlamaRMSNorm,
     N,
+    T5LayerNorm,
     _assert_same,
     _check_near_miss,
     _check_rewrite,
@@ -77,13 +78,8 @@ def test_rmsnorm_spellings(form):
     _check_rewrite(_rms(form), (_x(2, 3, N),), text="hand-written RMSNorm")
 
 
-class T5LayerNormCastFirst(nn.Module):
+class T5LayerNormCastFirst(T5LayerNorm):
     """T5's RMSNorm, the variant that always casts to the weight's dtype before the weight multiply."""
-
-    def __init__(self, n=N, eps=EPS):
-        super().__init__()
-        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(n))
-        self.variance_epsilon = eps
 
     def forward(self, hidden_states):
         variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
