@@ -37,3 +37,24 @@ def _fresh_dynamo_and_counters(monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
+
+
+@pytest.fixture
+def interpreter():
+    """Run the kernels under TRITON_INTERPRET=1 on CPU (conftest sets it when there is no GPU)."""
+    import os
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter runs are for CPU-only machines; with a GPU the cuda tests run these kernels")
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        # NumPy >= 2.4 refuses int() of the interpreter's 1-element scalar arrays (loop bounds).
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    yield
+    interp._patch_lang_tensor = original

@@ -265,11 +265,12 @@ def test_bad_input_raises(kwargs, exc, match):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None, bwd_config=None):
+def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None, bwd_config=None,
+                       fwd_config=None):
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, True, not rms)
     seed = _seed(device) if p else None
     args = (x, r, w, b, seed, 1e-5, p, rms, False, True)
-    got = adn.add_dropout_norm_fwd_launch(*args)
+    got = adn.add_dropout_norm_fwd_launch(*args, config=fwd_config)
     ref = adn._fwd_cpu(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
     tol = dict(atol=atol or FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
     for g, e in zip(got, ref, strict=True):
@@ -292,6 +293,18 @@ def test_interpret_kernels(n, rms):
     for rows, dtype, p, has_residual in [(3, torch.float32, 0.0, False), (5, torch.float32, 0.3, True),
                                          (4, torch.bfloat16, 0.1, True)]:
         _compare_launchers(rows, n, dtype, rms, p, has_residual)
+
+
+@pytest.mark.interpret
+@pytest.mark.usefixtures("interpreter")  # loop bounds that are runtime scalars
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("rms", [False, True])
+def test_interpret_persistent_forward(stages, rms):
+    """The forward's persistent form (programs of several rows, in a loop Triton may pipeline): 37 rows over
+    the interpreter's 4 programs, 10 rows each, so the last program's loop runs past M."""
+    for n, dtype, p, has_residual in [(7, torch.float32, 0.0, False), (100, torch.float32, 0.3, True),
+                                      (33, torch.bfloat16, 0.1, True)]:
+        _compare_launchers(37, n, dtype, rms, p, has_residual, fwd_config=adn.FwdConfig(16, 32, stages))
 
 
 @pytest.mark.interpret
@@ -322,7 +335,8 @@ class _LaunchSpy:
 
 
 def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bias, has_dres,
-                       dtype=torch.float32, device="cpu", expect_rows_per_iter=None, expect_prefetch=None):
+                       dtype=torch.float32, device="cpu", expect_rows_per_iter=None, expect_prefetch=None,
+                       expect_stages=None):
     """The backward launcher under `config` against the reference backward, on forward outputs of the kernel's
     own reference (so that only the backward is under test)."""
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, has_weight, has_bias and not rms)
@@ -337,6 +351,8 @@ def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bi
         assert spy.meta[0]["ROWS_PER_ITER"] == expect_rows_per_iter and spy.meta[0]["NUM_CHUNKS"] == 1
     if expect_prefetch is not None:
         assert spy.meta[0]["PREFETCH"] == expect_prefetch
+    if expect_stages is not None:
+        assert spy.meta[0]["PIPELINE_STAGES"] == expect_stages
     ref = adn._bwd_cpu(*bargs)
     tol = dict(atol=FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
     for name, g, e in zip(("dx", "dresidual", "dweight", "dbias"), got, ref, strict=True):
@@ -358,17 +374,22 @@ _BWD_VARIANT_CASES = [
 
 @pytest.mark.interpret
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
-@pytest.mark.parametrize("rows_per_iter,prefetch", [(1, False), (1, True), (2, False), (4, False), (2, True)])
+@pytest.mark.usefixtures("interpreter")  # loop bounds that are runtime scalars (the pipelined loop)
+@pytest.mark.parametrize("rows_per_iter,prefetch,stages", [(1, False, 0), (1, True, 0), (2, False, 0),
+                                                          (4, False, 0), (2, True, 0), (1, False, 3),
+                                                          (1, True, 2), (2, False, 3)])
 @pytest.mark.parametrize("rms", [False, True])
-def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, rms):
-    """Each backward loop form (one row; one row with the next row's loads issued first; a
-    [ROWS_PER_ITER, BLOCK_N] tile, which ignores prefetch) against the reference grads. 37 rows over the
-    interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so the last program's rows end inside a
-    tile, and each program's last prefetch falls past its rows."""
-    config = adn.BwdConfig(8, 32, rows_per_iter, prefetch=prefetch)
+def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, stages, rms):
+    """Each backward loop form (one row; one row with the next row's loads issued first; one row in a loop
+    Triton pipelines, which ignores prefetch; a [ROWS_PER_ITER, BLOCK_N] tile, which ignores both) against
+    the reference grads. 37 rows over the interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so
+    the last program's rows end inside a tile or a pipelined loop runs past them, and each program's last
+    prefetch falls past its rows."""
+    config = adn.BwdConfig(8, 32, rows_per_iter, prefetch=prefetch, pipeline_stages=stages)
     for case in _BWD_VARIANT_CASES:
         _check_bwd_variant(config, 37, *case[:1], rms, *case[1:], expect_rows_per_iter=rows_per_iter,
-                           expect_prefetch=prefetch and rows_per_iter == 1)
+                           expect_prefetch=prefetch and rows_per_iter == 1 and not stages,
+                           expect_stages=stages if rows_per_iter == 1 else 0)
 
 
 @pytest.mark.interpret

@@ -269,27 +269,6 @@ def test_errors_name_the_argument(call, match):
 # ------------------------------------------------------------------------- Triton kernels, interpreter
 
 
-@pytest.fixture
-def interpreter():
-    """Run the kernels under TRITON_INTERPRET=1 on CPU (conftest sets it when there is no GPU)."""
-    import os
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter runs are for CPU-only machines; with a GPU the cuda tests run these kernels")
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        # NumPy >= 2.4 refuses int() of the interpreter's 1-element scalar arrays (loop bounds).
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = original
-
-
 INTERPRET_CASES = {
     "gqa_odd": dict(Hq=2, Hkv=1, Sq=37, Sk=45, D=40),
     "causal": dict(Sq=37, Sk=45, wr=0),

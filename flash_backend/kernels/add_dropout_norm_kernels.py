@@ -56,15 +56,47 @@ def _dropout_keep_rows(seed, rows, n_quads, threshold, ROWS: tl.constexpr, BLOCK
 @triton.jit
 def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, threshold, dropout_scale,
                      stride_x_row, stride_res_row, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr):
+                     HAS_DROPOUT: tl.constexpr, row_ok=True):
     cols = col_start + tl.arange(0, BLOCK_N)
-    mask = cols < N
+    mask = (cols < N) & row_ok
     h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         h = tl.where(_dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N), h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         h += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
     return h
+
+
+@triton.jit
+def _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, row, row_ok, stride_x_row,
+             stride_res_row, stride_out_row, stride_res_out_row, N, n_quads, eps, dropout_threshold,
+             dropout_scale, BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             STORE_RESIDUAL_OUT: tl.constexpr):
+    """One row held whole in registers (BLOCK_N >= N); a row that is not row_ok reads and writes nothing."""
+    cols = tl.arange(0, BLOCK_N)
+    mask = (cols < N) & row_ok
+    h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
+                         stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT, row_ok)
+    if STORE_RESIDUAL_OUT:
+        h = h.to(RESIDUAL_OUT.dtype.element_ty)
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
+        h = h.to(tl.float32)
+    if IS_RMS_NORM:
+        rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(h * h, axis=0), N) + eps)
+        y = h * rstd
+    else:
+        mean = _mean_of(tl.sum(h, axis=0), N)
+        hc = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(hc * hc, axis=0), N) + eps)
+        tl.store(MEAN + row, mean, mask=row_ok)
+        y = hc * rstd
+    tl.store(RSTD + row, rstd, mask=row_ok)
+    if HAS_WEIGHT:
+        y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
+    tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -82,6 +114,8 @@ def _add_dropout_norm_fwd_kernel(
     stride_res_row,
     stride_out_row,
     stride_res_out_row,
+    M,
+    rows_per_program,  # PIPELINE_STAGES > 0: rows of each program (the last one stops at M)
     N,
     n_quads,  # cdiv(N, 4): Philox counters per row
     eps,
@@ -89,6 +123,10 @@ def _add_dropout_norm_fwd_kernel(
     dropout_scale,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,  # 1: the row fits in registers; else loop over BLOCK_N-wide chunks
+    # 0: one program per row. > 0 (NUM_CHUNKS == 1): persistent programs of rows_per_program rows, in a
+    # loop that Triton software-pipelines with this many stages (the row loads become asynchronous copies
+    # to shared memory, issued rows ahead; they qualify when N is known to be a multiple of 16)
+    PIPELINE_STAGES: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -96,35 +134,26 @@ def _add_dropout_norm_fwd_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     # Inductor passes Python floats as fp64; the math stays fp32 as in the eager launch.
     eps = tl.cast(eps, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
+    if NUM_CHUNKS == 1 and PIPELINE_STAGES > 0:
+        row_start = tl.program_id(0) * rows_per_program
+        row_end = tl.minimum(row_start + rows_per_program, M)
+        for i in tl.range(0, rows_per_program, num_stages=PIPELINE_STAGES):
+            r = row_start + i
+            _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, r.to(tl.int64),
+                     r < row_end, stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, N,
+                     n_quads, eps, dropout_threshold, dropout_scale, BLOCK_N, IS_RMS_NORM, HAS_RESIDUAL,
+                     HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT, STORE_RESIDUAL_OUT)
+        return
+    row = tl.program_id(0).to(tl.int64)
     if NUM_CHUNKS == 1:
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
-                             stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT)
-        if STORE_RESIDUAL_OUT:
-            h = h.to(RESIDUAL_OUT.dtype.element_ty)
-            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        if IS_RMS_NORM:
-            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(h * h, axis=0), N) + eps)
-            y = h * rstd
-        else:
-            mean = _mean_of(tl.sum(h, axis=0), N)
-            hc = tl.where(mask, h - mean, 0.0)
-            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(hc * hc, axis=0), N) + eps)
-            tl.store(MEAN + row, mean)
-            y = hc * rstd
-        tl.store(RSTD + row, rstd)
-        if HAS_WEIGHT:
-            y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
-        tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
+        _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, row, True, stride_x_row,
+                 stride_res_row, stride_out_row, stride_res_out_row, N, n_quads, eps, dropout_threshold,
+                 dropout_scale, BLOCK_N, IS_RMS_NORM, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT,
+                 STORE_RESIDUAL_OUT)
     else:
         # Pass 1: h chunk by chunk (written out), statistics merged with Chan's formula.
         mean = 0.0
@@ -280,6 +309,8 @@ def _add_dropout_norm_bwd_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     ROWS_PER_ITER: tl.constexpr,  # rows per loop iteration of a fused row (NUM_CHUNKS == 1); a power of two
     PREFETCH: tl.constexpr,  # one-row loop only: row r + 1's loads are issued before row r's work
+    # > 0 (one-row loop only): a for loop that Triton software-pipelines, this many rows in flight
+    PIPELINE_STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -293,7 +324,40 @@ def _add_dropout_norm_bwd_kernel(
     dropout_scale = tl.cast(dropout_scale, tl.float32)  # fp64 under Inductor
     row_start = pid * rows_per_program
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
+    if NUM_CHUNKS == 1 and ROWS_PER_ITER == 1 and PIPELINE_STAGES > 0:
+        # One row per iteration of a loop with a num_stages: Triton's pipeliner turns the row loads (h, dy,
+        # d(residual_out)) into asynchronous copies to shared memory, PIPELINE_STAGES - 1 rows ahead, so
+        # HBM keeps working through each row's block reductions and stores without the registers a row
+        # prefetched by hand costs. The loads qualify only with 4+ byte vectors, i.e. when the launcher's N
+        # is known to be a multiple of 16 (Triton's integer specialisation): else this is the plain loop.
+        # The trip count is the same for every program (a runtime argument: constant-trip loops cost
+        # registers); rows past the program's end load nothing and store nothing.
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        row_end = tl.minimum(row_start + rows_per_program, M)
+        for i in tl.range(0, rows_per_program, num_stages=PIPELINE_STAGES):
+            r = row_start + i
+            h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols,
+                                                        mask, stride_h_row, stride_dy_row,
+                                                        stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
+            dy32, xhat, wdy = _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+            if HAS_WEIGHT:
+                dw += dy32 * xhat  # zero on rows past the end: their h and dy load as zeros, rstd as 0
+            if HAS_BIAS:
+                db += dy32
+            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
+            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
+            _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
+                               wdy, c1, c2, rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
+                               stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
+                               STORE_DRESIDUAL)
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
+    elif NUM_CHUNKS == 1 and ROWS_PER_ITER == 1:
         # One row per iteration. With PREFETCH the loop is software-pipelined: the next row's loads are
         # issued before this row's two block reductions (barriers) and stores, so that HBM keeps working
         # while a row is reduced; the second row in flight costs its registers (two rows ahead measured
