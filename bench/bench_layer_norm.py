@@ -353,7 +353,10 @@ def main():
     ap.add_argument("--sweep-bwd", action="store_true", help="time backward launch shapes (see docstring)")
     ap.add_argument("--sweep-fwd", action="store_true", help="time forward launch shapes (see docstring)")
     ap.add_argument("--sweep-seconds", type=float, default=220.0, help="time budget of a sweep")
+    ap.add_argument("--dropout-p", type=float, default=P, help="sweeps only: the dropout probability")
     args = ap.parse_args()
+    global P
+    P = args.dropout_p if (args.sweep_fwd or args.sweep_bwd) else P
     if args.sweep_fwd:
         torch.manual_seed(0)
         run_sweep_fwd(args, [int(v) for v in args.ns.split(",")] if args.ns else SWEEP_NS)

@@ -225,9 +225,14 @@ def _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols, mask, stri
 
 
 @triton.jit
-def _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM: tl.constexpr,
-                    HAS_WEIGHT: tl.constexpr):
-    """(dy, xhat, w * dy) in fp32 from a chunk of h and dy as loaded (zero outside the row)."""
+def _load_weight(WEIGHT, cols, mask, HAS_WEIGHT: tl.constexpr):
+    return tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
+
+
+@triton.jit
+def _norm_bwd_terms(h, dy, w, mask, mean, rstd, IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(dy, xhat, w * dy) in fp32 from a chunk of h and dy as loaded (zero outside the row), w the weight's
+    chunk in fp32 (_load_weight)."""
     h = h.to(tl.float32)
     dy = dy.to(tl.float32)
     if IS_RMS_NORM:
@@ -235,7 +240,7 @@ def _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM: tl.const
     else:
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
     if HAS_WEIGHT:
-        wdy = _rounded(mask, dy * tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32))
+        wdy = _rounded(mask, dy * w)
     else:
         wdy = dy
     return dy, xhat, wdy
@@ -247,7 +252,8 @@ def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, st
     """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
     h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0)
     dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0)
-    return _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+    return _norm_bwd_terms(h, dy, _load_weight(WEIGHT, cols, mask, HAS_WEIGHT), mask, mean, rstd, IS_RMS_NORM,
+                           HAS_WEIGHT)
 
 
 @triton.jit
@@ -337,12 +343,13 @@ def _add_dropout_norm_bwd_kernel(
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
         row_end = tl.minimum(row_start + rows_per_program, M)
+        w = _load_weight(WEIGHT, cols, mask, HAS_WEIGHT)  # once: the loop has the registers to spare
         for i in tl.range(0, rows_per_program, num_stages=PIPELINE_STAGES):
             r = row_start + i
             h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols,
                                                         mask, stride_h_row, stride_dy_row,
                                                         stride_dres_out_row, IS_RMS_NORM, HAS_DRESIDUAL_OUT)
-            dy32, xhat, wdy = _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+            dy32, xhat, wdy = _norm_bwd_terms(h, dy, w, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
             if HAS_WEIGHT:
                 dw += dy32 * xhat  # zero on rows past the end: their h and dy load as zeros, rstd as 0
             if HAS_BIAS:
@@ -386,7 +393,8 @@ def _add_dropout_norm_bwd_kernel(
                 h, dy, dres_out, mean, rstd = _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end,
                                                             cols, mask, stride_h_row, stride_dy_row,
                                                             stride_dres_out_row, IS_RMS_NORM, False)
-            dy32, xhat, wdy = _norm_bwd_terms(h, dy, WEIGHT, cols, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
+            w = _load_weight(WEIGHT, cols, mask, HAS_WEIGHT)  # per row: no registers held across rows
+            dy32, xhat, wdy = _norm_bwd_terms(h, dy, w, mask, mean, rstd, IS_RMS_NORM, HAS_WEIGHT)
             if HAS_WEIGHT:
                 dw += dy32 * xhat
             if HAS_BIAS:
