@@ -347,6 +347,7 @@ def _print_sweep_summary(results, nbytes_per_n):
 
 
 def main():
+    global P  # --dropout-p sets it for the sweeps
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default=None, help=f"default {NS}; with --sweep-bwd {SWEEP_NS}")
     ap.add_argument("--impls", default="flash,flash_compiled,eager,inductor")
@@ -355,7 +356,6 @@ def main():
     ap.add_argument("--sweep-seconds", type=float, default=220.0, help="time budget of a sweep")
     ap.add_argument("--dropout-p", type=float, default=P, help="sweeps only: the dropout probability")
     args = ap.parse_args()
-    global P
     P = args.dropout_p if (args.sweep_fwd or args.sweep_bwd) else P
     if args.sweep_fwd:
         torch.manual_seed(0)
