@@ -411,6 +411,9 @@ def test_bwd_config_table():
             for v in (cfg.elems_per_thread, cfg.rows_per_iter, cfg.max_fused):
                 assert v >= 1 and v & (v - 1) == 0, (n, rms, cfg)
             assert cfg.max_fused >= 16 and cfg.warps_per_sm >= 1
+            # Triton pipelines the row loads only when it can prove N % 16 == 0
+            assert not cfg.pipeline_stages or n % 16 == 0, (n, rms, cfg)
+    assert adn.bwd_config(4096, False).pipeline_stages and not adn.bwd_config(4090, False).pipeline_stages
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,7 +509,8 @@ def test_cuda_inductor_fullgraph(rms):
 # Backward launch shapes of the sweep (bench_layer_norm.py --sweep-bwd) that take code paths the shipped shape
 # does not: tiles of 2 and 4 rows, 16 elements per thread, and rows fused up to 16384 columns (N=12000).
 _CUDA_BWD_CONFIGS = [(8, 16, 2), (16, 16, 2), (8, 16, 4), (16, 32, 1), (16, 32, 1, 16384), (32, 16, 1, 16384),
-                     (16, 32, 2, 16384)]
+                     (16, 32, 2, 16384), adn.BwdConfig(8, 16, pipeline_stages=3),
+                     adn.BwdConfig(16, 32, pipeline_stages=2)]
 
 
 @pytest.mark.cuda
@@ -520,3 +524,14 @@ def test_cuda_bwd_variants(config, rms):
         rows = 1037 if n <= 4096 else 301
         _check_bwd_variant(config, rows, n, rms, 0.1, True, True, True, True, dtype=dtype, device="cuda")
         _check_bwd_variant(config, rows, n, rms, 0.0, False, True, False, False, dtype=dtype, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [adn.FwdConfig(16, 32, 3), adn.FwdConfig(8, 16, 2),
+                                    adn.FwdConfig(16, 64, 1)], ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+def test_cuda_fwd_persistent(config, rms):
+    """The forward's persistent programs (the sweep's candidates) against the reference on the GPU: rows that
+    do not split evenly over the programs, N with and without the divisibility by 16 that Triton pipelines."""
+    for n, dtype in ((97, torch.float32), (1000, torch.bfloat16), (4096, torch.bfloat16)):
+        _compare_launchers(1037, n, dtype, rms, 0.1, True, device="cuda", fwd_config=config)
