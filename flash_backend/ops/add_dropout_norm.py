@@ -96,6 +96,7 @@ _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
 # pipeline them). bench/logs/sweep_bwd_pipelined_h200.log (53bbf3f), GPU time against the entries above:
 # LayerNorm 1.05x at N=768, 1.07x at 1024, 1.03x at 4096; RMSNorm 1.03x at 4096, 1.02x at 8192. Elsewhere
 # the hand-prefetched loop stayed ahead.
+_PIPELINE_SMEM_BYTES = 160 * 1024  # the most the pipelined loop's stages may hold (bf16 N=8192: 144 KB)
 _BWD_PIPELINED: dict[tuple[int, bool], BwdConfig] = {
     (1024, False): BwdConfig(16, 16, pipeline_stages=3),
     (4096, False): BwdConfig(16, 16, pipeline_stages=3),
@@ -341,12 +342,16 @@ def _num_programs(device: torch.device, m: int, num_warps: int, warps_per_sm: in
     return min(m, 4)
 
 
-def bwd_config(n: int, is_rms_norm: bool) -> BwdConfig:
-    """The shipped backward launch shape for rows of n columns."""
+def bwd_config(n: int, is_rms_norm: bool, row_bytes: int = 6) -> BwdConfig:
+    """The shipped backward launch shape for rows of n columns; row_bytes: bytes per column of the rows the
+    loop loads (h, dy, d(residual_out); 6 for bf16 with a residual stream)."""
     block_n = triton.next_power_of_2(n)
     bucket = min(b for b, rms in _BWD_CONFIGS if rms == is_rms_norm and b >= block_n)
-    if n % 16 == 0 and (bucket, is_rms_norm) in _BWD_PIPELINED:
-        return _BWD_PIPELINED[(bucket, is_rms_norm)]
+    pipelined = _BWD_PIPELINED.get((bucket, is_rms_norm))
+    # Each pipeline stage holds a row of every loaded tensor in shared memory (228 KB an SM on the H200, with
+    # the reductions' scratch): fp32 rows of 8192 columns in 3 stages need ~290 KB, so they keep the table's.
+    if pipelined and n % 16 == 0 and pipelined.pipeline_stages * block_n * row_bytes <= _PIPELINE_SMEM_BYTES:
+        return pipelined
     return _BWD_CONFIGS[(bucket, is_rms_norm)]
 
 
@@ -366,7 +371,9 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     h2, dy2, dres_out2 = _rows(h, n), _rows(dy, n), _rows(dresidual_out, n)
     dx2 = dx.view(-1, n)
     dres2 = dresidual.view(-1, n) if has_residual else dx2
-    cfg = BwdConfig(*config) if config is not None else bwd_config(n, is_rms_norm)
+    row_bytes = h.element_size() + dy.element_size()
+    row_bytes += dresidual_out.element_size() if dresidual_out is not None else 0
+    cfg = BwdConfig(*config) if config is not None else bwd_config(n, is_rms_norm, row_bytes)
     block_n, num_chunks = _block_and_chunks(n, cfg.max_fused)
     num_warps = _num_warps(block_n, cfg.elems_per_thread, 32)
     programs = _num_programs(h.device, m, num_warps, cfg.warps_per_sm)
