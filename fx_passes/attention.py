@@ -602,12 +602,29 @@ def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
     raise _Skip(f"the right operand of q·kᵀ ({name or kt.target}) is not a transpose of k's last two dims")
 
 
-def _parse_einsum(eq: str, n_in: int) -> tuple[list[str], str]:
+def _parse_einsum(eq: str, n_in: int, ndims: list[int | None] | None = None) -> tuple[list[str], str]:
+    """The operands' and the output's subscripts; an ellipsis ("...qd,...kd->...qk") is spelled out in
+    letters the equation does not use, given each operand's ndim, when it stands for the same number of
+    leading dims in every operand and the output (then it is the same contraction written with names)."""
     eq = eq.replace(" ", "")
-    if "->" not in eq or "." in eq:
-        raise _Skip(f"einsum '{eq}' has no explicit output or uses ellipsis")
+    if "->" not in eq:
+        raise _Skip(f"einsum '{eq}' has no explicit output")
     lhs, out = eq.split("->")
     ins = lhs.split(",")
+    if "." in eq:
+        terms = ins + [out]
+        counts = set()
+        for term, ndim in zip(ins, ndims or [None] * len(ins), strict=False):
+            if not term.startswith("...") or "." in term[3:] or ndim is None:
+                counts.add(None)
+            else:
+                counts.add(ndim - len(term) + 3)
+        if (len(ins) != n_in or len(counts) != 1 or None in counts or min(counts) < 0
+                or any(not t.startswith("...") or "." in t[3:] for t in terms)):
+            raise _Skip(f"einsum '{eq}' uses an ellipsis that is not the same leading dims of every operand")
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq][: counts.pop()]
+        ins, out = ["".join(free) + t[3:] for t in ins], "".join(free) + out[3:]
+        eq = ",".join(ins) + "->" + out
     if len(ins) != n_in or any(len(set(s)) != len(s) for s in ins + [out]):
         raise _Skip(f"einsum '{eq}' is not a plain two-operand contraction")
     return ins, out
@@ -938,7 +955,7 @@ def _qk(cand: _Candidate, mm: Node):
         eq, operands = _einsum_operands(mm)
         if not isinstance(eq, str) or len(operands) != 2:
             raise _Skip("einsum is not a two-operand contraction")
-        (a_l, b_l), out = _parse_einsum(eq, 2)
+        (a_l, b_l), out = _parse_einsum(eq, 2, [len(_shape(o) or ()) or None for o in operands])
         d = [c for c in a_l if c in b_l and c not in out]
         i = [c for c in a_l if c in out and c not in b_l]
         j = [c for c in b_l if c in out and c not in a_l]
@@ -985,13 +1002,19 @@ def _qk(cand: _Candidate, mm: Node):
 # --------------------------------------------------------------------------------------------------------
 
 
+# Elementwise ops on the probabilities (transformers' ``probs * head_mask``, padded queries zeroed after the
+# softmax, a renormalisation): never part of the pattern, but a softmax of q·kᵀ that reaches ·v through one
+# is a candidate the walk reports with its reason rather than one that is silently not seen.
+_PROBS_ELEMENTWISE = ("mul", "div", "add", "sub", "masked_fill", "masked_fill_", "where")
+
+
 def _feeds_matmul(node: Node, depth: int = 8) -> bool:
     for user in node.users:
         name = op_name(user)
         if name in _MATMULS:
             return True
         if depth and (
-            name in _CASTS + _IDENTITY + _RESHAPES + ("dropout", "dropout_")
+            name in _CASTS + _IDENTITY + _RESHAPES + _PROBS_ELEMENTWISE + ("dropout", "dropout_")
             or user.target is torch.nn.functional.dropout
         ):
             if _feeds_matmul(user, depth - 1):
@@ -1061,7 +1084,7 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
         eq, operands = _einsum_operands(pv)
         if not isinstance(eq, str) or len(operands) != 2 or operands[0] is not probs:
             raise _Skip("the probabilities are not the first operand of the ·v einsum")
-        (p_l, v_l), out = _parse_einsum(eq, 2)
+        (p_l, v_l), out = _parse_einsum(eq, 2, [len(_shape(o) or ()) or None for o in operands])
         if len(p_l) != len(_shape(probs) or ()):
             raise _Skip(f"einsum '{eq}' does not take the scores' layout")
         batch, i, j = list(p_l[:-2]), p_l[-2], p_l[-1]
