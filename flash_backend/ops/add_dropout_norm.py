@@ -311,9 +311,10 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
     num_warps = _num_warps(block_n, cfg.elems_per_thread, 16)
     persistent = bool(cfg.warps_per_sm) and num_chunks == 1
     stages = max(1, cfg.pipeline_stages) if persistent else 0
-    programs = _num_programs(x.device, m, num_warps, cfg.warps_per_sm) if persistent else m
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
+    programs, rows_per_program = m, 1  # one program per row (m may be a SymInt: no arithmetic on it here)
+    if persistent:
+        rows_per_program = triton.cdiv(m, _num_programs(x.device, m, num_warps, cfg.warps_per_sm))
+        programs = triton.cdiv(m, rows_per_program)
     has_dropout = dropout_p > 0.0
     kernel = (launch or (lambda k: k))(_add_dropout_norm_fwd_kernel)
     kernel[(programs,)](
