@@ -225,6 +225,16 @@ def _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols, mask, stri
 
 
 @triton.jit
+def _row_means(xhat, wdy, N, IS_RMS_NORM: tl.constexpr):
+    """(mean(xhat * w dy), mean(w dy)) of one row; LayerNorm's two sums in one block reduction (one set of
+    barriers), RMSNorm's second is 0."""
+    if IS_RMS_NORM:
+        return _mean_of(tl.sum(xhat * wdy, axis=0), N), 0.0
+    s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pair)
+    return _mean_of(s1, N), _mean_of(s2, N)
+
+
+@triton.jit
 def _load_weight(WEIGHT, cols, mask, HAS_WEIGHT: tl.constexpr):
     return tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
 
@@ -356,8 +366,7 @@ def _add_dropout_norm_bwd_kernel(
                 dw += dy32 * xhat  # zero on rows past the end: their h and dy load as zeros, rstd as 0
             if HAS_BIAS:
                 db += dy32
-            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
-            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
+            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM)
             _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
                                wdy, c1, c2, rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
                                stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
@@ -401,8 +410,7 @@ def _add_dropout_norm_bwd_kernel(
                 dw += dy32 * xhat
             if HAS_BIAS:
                 db += dy32
-            c1 = _mean_of(tl.sum(xhat * wdy, axis=0), N)
-            c2 = 0.0 if IS_RMS_NORM else _mean_of(tl.sum(wdy, axis=0), N)
+            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM)
             if HAS_DRESIDUAL_OUT and not PREFETCH:
                 dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
             _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
