@@ -393,6 +393,15 @@ def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, stages, rms):
 
 
 @pytest.mark.interpret
+@pytest.mark.usefixtures("interpreter")
+def test_interpret_bwd_pipelined_wide_rows():
+    """The pipelined loop at BLOCK_N >= 4096, where LayerNorm's two row sums share one reduction."""
+    for rms in (False, True):
+        _check_bwd_variant(adn.BwdConfig(16, 32, pipeline_stages=3), 9, 4000, rms, 0.2, True, True, not rms,
+                           True, expect_stages=3)
+
+
+@pytest.mark.interpret
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 def test_interpret_bwd_tile_clamped_to_program_rows():
     """Fewer rows per program than the tile's height: the tile shrinks (5 rows over 4 programs: 2 each)."""

@@ -225,13 +225,16 @@ def _load_bwd_row(H, DY, DRESIDUAL_OUT, MEAN, RSTD, r, row_end, cols, mask, stri
 
 
 @triton.jit
-def _row_means(xhat, wdy, N, IS_RMS_NORM: tl.constexpr):
-    """(mean(xhat * w dy), mean(w dy)) of one row; LayerNorm's two sums in one block reduction (one set of
-    barriers), RMSNorm's second is 0."""
+def _row_means(xhat, wdy, N, IS_RMS_NORM: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+    """(mean(xhat * w dy), mean(w dy)) of one row (RMSNorm's second is 0). ONE_REDUCTION: LayerNorm's two
+    sums in one block reduction, one set of barriers: on the H200 1.05x for the pipelined loop at N=4096,
+    but 1.14-1.16x slower at N=768-1024 (bench/logs/sweep_bwd_one_reduction_h200.log)."""
     if IS_RMS_NORM:
         return _mean_of(tl.sum(xhat * wdy, axis=0), N), 0.0
-    s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pair)
-    return _mean_of(s1, N), _mean_of(s2, N)
+    if ONE_REDUCTION:
+        s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pair)
+        return _mean_of(s1, N), _mean_of(s2, N)
+    return _mean_of(tl.sum(xhat * wdy, axis=0), N), _mean_of(tl.sum(wdy, axis=0), N)
 
 
 @triton.jit
@@ -366,7 +369,7 @@ def _add_dropout_norm_bwd_kernel(
                 dw += dy32 * xhat  # zero on rows past the end: their h and dy load as zeros, rstd as 0
             if HAS_BIAS:
                 db += dy32
-            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM)
+            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, BLOCK_N >= 4096)
             _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
                                wdy, c1, c2, rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
                                stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
@@ -410,7 +413,7 @@ def _add_dropout_norm_bwd_kernel(
                 dw += dy32 * xhat
             if HAS_BIAS:
                 db += dy32
-            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM)
+            c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, False)
             if HAS_DRESIDUAL_OUT and not PREFETCH:
                 dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
             _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
