@@ -1,12 +1,15 @@
 """Triton kernels of flash::add_dropout_norm (see flash_backend/ops/add_dropout_norm.py for the op).
 
-Forward: one program per row. A row of up to BLOCK_N columns is held in registers; wider rows loop over
-BLOCK_N-wide chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
+Forward: one program per row (persistent programs over rows, PIPELINE_STAGES > 0, exist for sweeps: they
+measured slower). A row of up to BLOCK_N columns is held in registers; wider rows loop over BLOCK_N-wide
+chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
 Backward: persistent programs of rows_per_program rows each keep their partial dW/dB in registers and write
 one partial row each (the launcher sums them). A row that fits in registers is handled one row per loop
-iteration (ROWS_PER_ITER = 1) or as a [ROWS_PER_ITER, BLOCK_N] tile, which puts several rows' loads in
-flight before the block-wide reductions stall the program. Chunked rows first compute every row's two
-reductions, then go chunk-major so the chunk's dW/dB still stay in registers.
+iteration (ROWS_PER_ITER = 1: a loop Triton pipelines through shared memory, PIPELINE_STAGES > 0, or one
+that prefetches the next row into registers by hand, PREFETCH) or as a [ROWS_PER_ITER, BLOCK_N] tile,
+which puts several rows' loads in flight before the block-wide reductions stall the program. Chunked rows
+first compute every row's two reductions, then go chunk-major so the chunk's dW/dB still stay in
+registers.
 Dropout: Philox (`tl.randint4x`), one call per 4 columns, counter = row * cdiv(N, 4) + col // 4, keep when
 the top 24 bits of the word are >= round(p * 2**24); `dropout_keep_mask` in the op file is the same in torch.
 """
