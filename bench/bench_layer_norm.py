@@ -20,15 +20,13 @@ time alone, what CUDA graphs / reduce-overhead users see). Ratios "x Inductor" a
 
 Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,flash_compiled,eager,inductor]
        python bench/bench_layer_norm.py --sweep-bwd [--ns 4096] [--sweep-seconds 220]
-       python bench/bench_layer_norm.py --sweep-fwd [--ns 4096] [--sweep-seconds 220]
 
 --sweep-bwd times the backward launcher alone (CUDA-graph replay, 10 B/elem) under candidate launch shapes
 (ops/add_dropout_norm.py: BwdConfig, the shipped one first) for N in SWEEP_NS, LayerNorm and RMSNorm; one
 `SWEEP bwd` line per candidate (with its grads' largest difference from the shipped shape's, relative to
 the largest grad), then `BEST bwd` per (N, norm) and a suggested _BWD_CONFIGS table. The time budget is
 shared evenly by the (N, norm) cases still to run; a case out of time skips its remaining candidates.
---sweep-fwd does the same for the forward launcher (FwdConfig, 8 B/elem): `SWEEP fwd` and `BEST fwd` lines.
-Both print `async_copies`: the row loads Triton's pipeliner turned into asynchronous copies.
+Each line prints `async_copies`: the row loads Triton's pipeliner turned into asynchronous copies.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_backend.ops.add_dropout_norm as adn  # noqa: E402
 from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table  # noqa: E402
 from flash_backend.backend import flash_backend  # noqa: E402
-from flash_backend.ops.add_dropout_norm import BwdConfig, FwdConfig, add_dropout_norm  # noqa: E402
+from flash_backend.ops.add_dropout_norm import BwdConfig, add_dropout_norm  # noqa: E402
 
 M = 16384
 NS = [4096, 1024, 768, 2048, 8192, 16384]
@@ -227,74 +225,6 @@ def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[B
     return rows
 
 
-def fwd_candidates(n: int) -> list[FwdConfig]:
-    """The shipped forward shape first (one program per row), then persistent programs whose row loads
-    Triton pipelines: FwdConfig(elems_per_thread, warps_per_sm, pipeline_stages)."""
-    cands = [adn.fwd_config(n, False)]
-    for stages in (3, 2, 4):
-        for elems, warps_per_sm in ((16, 32), (16, 16), (8, 32), (16, 64), (8, 16), (4, 32)):
-            cands.append(FwdConfig(elems, warps_per_sm, stages))
-    return cands
-
-
-def _sweep_fwd_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[FwdConfig, float]]:
-    """Time each forward candidate of (n, rms) until case_end; (cfg, us) of those whose outputs match."""
-    norm = "rmsnorm" if rms else "layernorm"
-    (x, residual, weight, bias), _ = make_case(n, rms, requires_grad=False)
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cuda")
-    fwd_args = (x, residual, weight, bias, seed, EPS, P, rms, False, True)
-    nbytes = 4 * DTYPE.itemsize * M * n  # read x, residual; write out, h
-    rows, seen, ref = [], set(), None
-    for cfg in fwd_candidates(n):
-        block_n, chunks = adn._block_and_chunks(n, adn._MAX_FUSED_N_FWD)
-        warps = adn._num_warps(block_n, cfg.elems_per_thread, 16)
-        key = (warps, cfg.warps_per_sm and chunks == 1 and (cfg.warps_per_sm, cfg.pipeline_stages))
-        if key in seen:
-            continue
-        seen.add(key)
-        if ref is not None and time.time() > case_end:
-            print(f"SWEEP fwd N={n} norm={norm}: out of time, remaining candidates skipped", flush=True)
-            break
-        step = functools.partial(adn.add_dropout_norm_fwd_launch, *fwd_args, config=cfg)
-        try:
-            capture = _Capture()
-            got = step(launch=capture)
-            err = 0.0 if ref is None else _rel_err(got, ref)
-            ref = got if ref is None else ref
-            gms = graph_ms(step)
-        except Exception as e:  # report, keep sweeping
-            print(f"SWEEP fwd N={n} norm={norm} cfg={tuple(cfg)} FAIL {type(e).__name__}: {str(e)[:200]}",
-                  flush=True)
-            continue
-        if gms is None:
-            continue
-        k = capture.compiled
-        bad = "  MISMATCH" if err > 2e-2 else ""
-        print(f"SWEEP fwd N={n} norm={norm} cfg={tuple(cfg)} us={gms * 1e3:.1f} "
-              f"TB/s={nbytes / gms / 1e9:.2f} of_copy={nbytes / gms / 1e9 / copy:.2f} warps={warps} "
-              f"regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} "
-              f"async_copies={_async_copies(k)} err={err:.1e}{bad}", flush=True)
-        if not bad:
-            rows.append((cfg, gms * 1e3))
-    return rows
-
-
-def run_sweep_fwd(args, ns):
-    copy = copy_tbps()
-    print(f"env {env_info()}  copy {copy:.2f} TB/s", flush=True)
-    cases = [(n, rms) for n in ns for rms in (False, True)]
-    t_end = time.time() + args.sweep_seconds
-    for i, (n, rms) in enumerate(cases):
-        case_end = time.time() + max(0.0, t_end - time.time()) / (len(cases) - i)
-        rows = _sweep_fwd_case(n, rms, case_end, copy)
-        if rows:
-            cfg, us = min(rows, key=lambda r: r[1])
-            print(f"BEST fwd N={n} norm={'rmsnorm' if rms else 'layernorm'} cfg={tuple(cfg)} us={us:.1f} "
-                  f"TB/s={4 * DTYPE.itemsize * M * n / us / 1e6:.2f} (shipped {rows[0][1]:.1f} us: "
-                  f"{rows[0][1] / us:.2f}x)", flush=True)
-        torch.cuda.empty_cache()
-
-
 def run_sweep_bwd(args, ns):
     copy = copy_tbps()
     print(f"env {env_info()}  copy {copy:.2f} TB/s", flush=True)
@@ -347,20 +277,15 @@ def _print_sweep_summary(results, nbytes_per_n):
 
 
 def main():
-    global P  # --dropout-p sets it for the sweeps
+    global P  # --dropout-p sets it for --sweep-bwd
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default=None, help=f"default {NS}; with --sweep-bwd {SWEEP_NS}")
     ap.add_argument("--impls", default="flash,flash_compiled,eager,inductor")
     ap.add_argument("--sweep-bwd", action="store_true", help="time backward launch shapes (see docstring)")
-    ap.add_argument("--sweep-fwd", action="store_true", help="time forward launch shapes (see docstring)")
-    ap.add_argument("--sweep-seconds", type=float, default=220.0, help="time budget of a sweep")
-    ap.add_argument("--dropout-p", type=float, default=P, help="sweeps only: the dropout probability")
+    ap.add_argument("--sweep-seconds", type=float, default=220.0, help="time budget of --sweep-bwd")
+    ap.add_argument("--dropout-p", type=float, default=P, help="--sweep-bwd only: the dropout probability")
     args = ap.parse_args()
-    P = args.dropout_p if (args.sweep_fwd or args.sweep_bwd) else P
-    if args.sweep_fwd:
-        torch.manual_seed(0)
-        run_sweep_fwd(args, [int(v) for v in args.ns.split(",")] if args.ns else SWEEP_NS)
-        return
+    P = args.dropout_p if args.sweep_bwd else P
     if args.sweep_bwd:
         torch.manual_seed(0)
         run_sweep_bwd(args, [int(v) for v in args.ns.split(",")] if args.ns else SWEEP_NS)

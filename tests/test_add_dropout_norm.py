@@ -265,12 +265,11 @@ def test_bad_input_raises(kwargs, exc, match):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None, bwd_config=None,
-                       fwd_config=None):
+def _compare_launchers(rows, n, dtype, rms, p, has_residual, device="cpu", atol=None, bwd_config=None):
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, True, not rms)
     seed = _seed(device) if p else None
     args = (x, r, w, b, seed, 1e-5, p, rms, False, True)
-    got = adn.add_dropout_norm_fwd_launch(*args, config=fwd_config)
+    got = adn.add_dropout_norm_fwd_launch(*args)
     ref = adn._fwd_cpu(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
     tol = dict(atol=atol or FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
     for g, e in zip(got, ref, strict=True):
@@ -293,18 +292,6 @@ def test_interpret_kernels(n, rms):
     for rows, dtype, p, has_residual in [(3, torch.float32, 0.0, False), (5, torch.float32, 0.3, True),
                                          (4, torch.bfloat16, 0.1, True)]:
         _compare_launchers(rows, n, dtype, rms, p, has_residual)
-
-
-@pytest.mark.interpret
-@pytest.mark.usefixtures("interpreter")  # loop bounds that are runtime scalars
-@pytest.mark.parametrize("stages", [1, 3])
-@pytest.mark.parametrize("rms", [False, True])
-def test_interpret_persistent_forward(stages, rms):
-    """The forward's persistent form (programs of several rows, in a loop Triton may pipeline): 37 rows over
-    the interpreter's 4 programs, 10 rows each, so the last program's loop runs past M."""
-    for n, dtype, p, has_residual in [(7, torch.float32, 0.0, False), (100, torch.float32, 0.3, True),
-                                      (33, torch.bfloat16, 0.1, True)]:
-        _compare_launchers(37, n, dtype, rms, p, has_residual, fwd_config=adn.FwdConfig(16, 32, stages))
 
 
 @pytest.mark.interpret
@@ -537,13 +524,3 @@ def test_cuda_bwd_variants(config, rms):
         _check_bwd_variant(config, rows, n, rms, 0.1, True, True, True, True, dtype=dtype, device="cuda")
         _check_bwd_variant(config, rows, n, rms, 0.0, False, True, False, False, dtype=dtype, device="cuda")
 
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("config", [adn.FwdConfig(16, 32, 3), adn.FwdConfig(8, 16, 2),
-                                    adn.FwdConfig(16, 64, 1)], ids=str)
-@pytest.mark.parametrize("rms", [False, True])
-def test_cuda_fwd_persistent(config, rms):
-    """The forward's persistent programs (the sweep's candidates) against the reference on the GPU: rows that
-    do not split evenly over the programs, N with and without the divisibility by 16 that Triton pipelines."""
-    for n, dtype in ((97, torch.float32), (1000, torch.bfloat16), (4096, torch.bfloat16)):
-        _compare_launchers(1037, n, dtype, rms, 0.1, True, device="cuda", fwd_config=config)

@@ -1,8 +1,7 @@
 """Triton kernels of flash::add_dropout_norm (see flash_backend/ops/add_dropout_norm.py for the op).
 
-Forward: one program per row (persistent programs over rows, PIPELINE_STAGES > 0, exist for sweeps: they
-measured slower). A row of up to BLOCK_N columns is held in registers; wider rows loop over BLOCK_N-wide
-chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
+Forward: one program per row. A row of up to BLOCK_N columns is held in registers; wider rows loop over
+BLOCK_N-wide chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
 Backward: persistent programs of rows_per_program rows each keep their partial dW/dB in registers and write
 one partial row each (the launcher sums them). A row that fits in registers is handled one row per loop
 iteration (ROWS_PER_ITER = 1: a loop Triton pipelines through shared memory, PIPELINE_STAGES > 0, or one
@@ -59,47 +58,15 @@ def _dropout_keep_rows(seed, rows, n_quads, threshold, ROWS: tl.constexpr, BLOCK
 @triton.jit
 def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, threshold, dropout_scale,
                      stride_x_row, stride_res_row, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr, row_ok=True):
+                     HAS_DROPOUT: tl.constexpr):
     cols = col_start + tl.arange(0, BLOCK_N)
-    mask = (cols < N) & row_ok
+    mask = cols < N
     h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         h = tl.where(_dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N), h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         h += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
     return h
-
-
-@triton.jit
-def _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, row, row_ok, stride_x_row,
-             stride_res_row, stride_out_row, stride_res_out_row, N, n_quads, eps, dropout_threshold,
-             dropout_scale, BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-             STORE_RESIDUAL_OUT: tl.constexpr):
-    """One row held whole in registers (BLOCK_N >= N); a row that is not row_ok reads and writes nothing."""
-    cols = tl.arange(0, BLOCK_N)
-    mask = (cols < N) & row_ok
-    h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
-                         stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT, row_ok)
-    if STORE_RESIDUAL_OUT:
-        h = h.to(RESIDUAL_OUT.dtype.element_ty)
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
-        h = h.to(tl.float32)
-    if IS_RMS_NORM:
-        rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(h * h, axis=0), N) + eps)
-        y = h * rstd
-    else:
-        mean = _mean_of(tl.sum(h, axis=0), N)
-        hc = tl.where(mask, h - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(hc * hc, axis=0), N) + eps)
-        tl.store(MEAN + row, mean, mask=row_ok)
-        y = hc * rstd
-    tl.store(RSTD + row, rstd, mask=row_ok)
-    if HAS_WEIGHT:
-        y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
-    tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -117,8 +84,6 @@ def _add_dropout_norm_fwd_kernel(
     stride_res_row,
     stride_out_row,
     stride_res_out_row,
-    M,
-    rows_per_program,  # PIPELINE_STAGES > 0: rows of each program (the last one stops at M)
     N,
     n_quads,  # cdiv(N, 4): Philox counters per row
     eps,
@@ -126,10 +91,6 @@ def _add_dropout_norm_fwd_kernel(
     dropout_scale,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,  # 1: the row fits in registers; else loop over BLOCK_N-wide chunks
-    # 0: one program per row. > 0 (NUM_CHUNKS == 1): persistent programs of rows_per_program rows, in a
-    # loop that Triton software-pipelines with this many stages (the row loads become asynchronous copies
-    # to shared memory, issued rows ahead; they qualify when N is known to be a multiple of 16)
-    PIPELINE_STAGES: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -137,26 +98,35 @@ def _add_dropout_norm_fwd_kernel(
     HAS_DROPOUT: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
     # Inductor passes Python floats as fp64; the math stays fp32 as in the eager launch.
     eps = tl.cast(eps, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
     seed = tl.load(SEED) if HAS_DROPOUT else 0
-    if NUM_CHUNKS == 1 and PIPELINE_STAGES > 0:
-        row_start = tl.program_id(0) * rows_per_program
-        row_end = tl.minimum(row_start + rows_per_program, M)
-        for i in tl.range(0, rows_per_program, num_stages=PIPELINE_STAGES):
-            r = row_start + i
-            _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, r.to(tl.int64),
-                     r < row_end, stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, N,
-                     n_quads, eps, dropout_threshold, dropout_scale, BLOCK_N, IS_RMS_NORM, HAS_RESIDUAL,
-                     HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT, STORE_RESIDUAL_OUT)
-        return
-    row = tl.program_id(0).to(tl.int64)
     if NUM_CHUNKS == 1:
-        _fwd_row(X, RESIDUAL, WEIGHT, BIAS, OUT, RESIDUAL_OUT, MEAN, RSTD, seed, row, True, stride_x_row,
-                 stride_res_row, stride_out_row, stride_res_out_row, N, n_quads, eps, dropout_threshold,
-                 dropout_scale, BLOCK_N, IS_RMS_NORM, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, HAS_DROPOUT,
-                 STORE_RESIDUAL_OUT)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
+                             stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT)
+        if STORE_RESIDUAL_OUT:
+            h = h.to(RESIDUAL_OUT.dtype.element_ty)
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        if IS_RMS_NORM:
+            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(h * h, axis=0), N) + eps)
+            y = h * rstd
+        else:
+            mean = _mean_of(tl.sum(h, axis=0), N)
+            hc = tl.where(mask, h - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(_mean_of(tl.sum(hc * hc, axis=0), N) + eps)
+            tl.store(MEAN + row, mean)
+            y = hc * rstd
+        tl.store(RSTD + row, rstd)
+        if HAS_WEIGHT:
+            y = y * tl.load(WEIGHT + cols, mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(BIAS + cols, mask=mask).to(tl.float32)
+        tl.store(OUT + row * stride_out_row + cols, y.to(OUT.dtype.element_ty), mask=mask)
     else:
         # Pass 1: h chunk by chunk (written out), statistics merged with Chan's formula.
         mean = 0.0

@@ -42,22 +42,6 @@ _FWD_ELEMS_PER_THREAD = 16  # elements of a row per thread
 _MAX_FUSED_N_BWD = 8192  # widest backward row in registers unless a _BWD_CONFIGS entry says otherwise
 
 
-class FwdConfig(NamedTuple):
-    """Launch shape of the forward kernel (add_dropout_norm_fwd_launch's `config`; a plain tuple works)."""
-
-    elems_per_thread: int = _FWD_ELEMS_PER_THREAD  # num_warps = BLOCK_N / (32 * this), at most 16
-    warps_per_sm: int = 0  # 0: one program per row; else persistent programs sized to fill this many warps
-    pipeline_stages: int = 0  # persistent rows: > 0 lets Triton pipeline the row loads through shared memory
-
-
-_FWD_SHIPPED = FwdConfig()
-
-
-def fwd_config(n: int, is_rms_norm: bool) -> FwdConfig:
-    """The shipped forward launch shape for rows of n columns."""
-    return _FWD_SHIPPED
-
-
 class BwdConfig(NamedTuple):
     """Launch shape of the backward kernel (add_dropout_norm_bwd_launch's `config`; a plain tuple works)."""
 
@@ -292,9 +276,8 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm,
-                                residual_in_fp32, return_residual, *, launch=None, config=None):
-    """Allocate the outputs and run the forward kernel. `launch` wraps the kernel (wrap_triton in the op);
-    `config` (a FwdConfig or tuple) overrides the shipped launch shape, for sweeps and tests."""
+                                residual_in_fp32, return_residual, *, launch=None):
+    """Allocate the outputs and run the forward kernel. `launch` wraps the kernel (wrap_triton in the op)."""
     out, residual_out, mean, rstd = _allocate_fwd(
         x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual
     )
@@ -307,26 +290,17 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
     store_h = residual_out.numel() > 0
     res_out2 = residual_out.view(-1, n) if store_h else out2
     block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_FWD)
-    cfg = FwdConfig(*config) if config is not None else fwd_config(n, is_rms_norm)
-    num_warps = _num_warps(block_n, cfg.elems_per_thread, 16)
-    persistent = bool(cfg.warps_per_sm) and num_chunks == 1
-    stages = max(1, cfg.pipeline_stages) if persistent else 0
-    programs, rows_per_program = m, 1  # one program per row (m may be a SymInt: no arithmetic on it here)
-    if persistent:
-        rows_per_program = triton.cdiv(m, _num_programs(x.device, m, num_warps, cfg.warps_per_sm))
-        programs = triton.cdiv(m, rows_per_program)
     has_dropout = dropout_p > 0.0
     kernel = (launch or (lambda k: k))(_add_dropout_norm_fwd_kernel)
-    kernel[(programs,)](
+    kernel[(m,)](
         x2, res2 if res2 is not None else x2, weight if weight is not None else x2,
         bias if bias is not None else x2, seed if has_dropout else rstd,
         out2, res_out2, mean if not is_rms_norm else rstd, rstd,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), res_out2.stride(0),
-        m, rows_per_program, n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p),
-        1.0 / (1.0 - dropout_p),
-        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, PIPELINE_STAGES=stages, IS_RMS_NORM=is_rms_norm,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_DROPOUT=has_dropout, STORE_RESIDUAL_OUT=store_h, num_warps=num_warps,
+        n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
+        STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD, 16),
     )
     return out, residual_out, mean, rstd
 
