@@ -8,6 +8,9 @@ first for methods. Values are read from ``node.meta["example_value"]`` (fake ten
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import numbers
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -187,6 +190,31 @@ def arg(node: torch.fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+@functools.cache
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def bound_arguments(node: torch.fx.Node, fn: Callable) -> dict | None:
+    """A call node's arguments bound by name to fn's signature, defaults filled in; None if they do not
+    bind (a call the pass cannot read, reported by the caller)."""
+    try:
+        bound = _signature(fn).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def fused_op(module: str, name: str) -> Callable | None:
+    """The public function `name` of flash_backend's `module`, imported at the first rewrite (the passes do
+    not import flash_backend's ops at their own import); None where it is missing."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def val(node: object):

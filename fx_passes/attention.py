@@ -27,7 +27,6 @@ dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``,
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import operator
@@ -39,6 +38,7 @@ from torch.fx import Graph, Node
 from flash_backend import config as flash_config
 from fx_passes._match import (
     arg,
+    bound_arguments,
     fake_call,
     in_place_writers,
     insert_call,
@@ -1560,22 +1560,12 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     record_rewrite(FAMILY, variant, "flash_attention", out)
 
 
-_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
-
-
-def _mha_arguments(node: Node) -> dict:
-    try:
-        bound = _MHA_SIGNATURE.bind(*node.args, **node.kwargs)
-    except TypeError as e:
-        raise _Skip(f"cannot read the arguments of F.multi_head_attention_forward: {e}") from None
-    bound.apply_defaults()
-    return bound.arguments
-
-
 def _rewrite_mha(graph: Graph, node: Node):
     """nn.MultiheadAttention (F.multi_head_attention_forward, (L, N, E) inputs) -> its in-projection,
     flash_attention over (N, H, L, D) and its out-projection: the same function, written out."""
-    a = _mha_arguments(node)
+    a = bound_arguments(node, torch.nn.functional.multi_head_attention_forward)
+    if a is None:
+        raise _Skip("cannot read the arguments of F.multi_head_attention_forward")
     query, key, value = a["query"], a["key"], a["value"]
     if not all(isinstance(t, Node) and len(_shape(t) or ()) == 3 for t in (query, key, value)):
         raise _Skip("unbatched (2-d) or non-tensor query/key/value")

@@ -29,8 +29,6 @@ logits scaled in place, ``x.mul_(2)`` between the Linear and the loss).
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import numbers
 
 import torch
@@ -42,8 +40,10 @@ from flash_backend import config as flash_config
 from fx_passes._compat import restart_with_specialised_floats
 from fx_passes._match import (
     binary_operands,
+    bound_arguments,
     erase_unused,
     fake_call,
+    fused_op,
     insert_call,
     insert_getitem,
     is_op,
@@ -58,7 +58,6 @@ FAMILY = "cross_entropy"
 
 _OP_MODULE = "flash_backend.ops.cross_entropy"
 _OP_NAME = "flash.linear_cross_entropy_fwd (linear_cross_entropy)"
-_SIGNATURE = inspect.signature(F.cross_entropy)
 _RESHAPES = {"view", "reshape", "flatten", "contiguous"}
 _CASTS = {"float", "to", "type"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -69,19 +68,14 @@ class _Miss(Exception):
 
 
 def _fused_op():
-    try:
-        return importlib.import_module(_OP_MODULE).linear_cross_entropy
-    except (ImportError, AttributeError):
-        return None
+    return fused_op(_OP_MODULE, "linear_cross_entropy")
 
 
 def _arguments(ce: torch.fx.Node) -> dict:
-    try:
-        bound = _SIGNATURE.bind(*ce.args, **ce.kwargs)
-    except TypeError as e:
-        raise _Miss(f"cannot read the arguments of F.cross_entropy: {e}") from None
-    bound.apply_defaults()
-    return bound.arguments
+    args = bound_arguments(ce, F.cross_entropy)
+    if args is None:
+        raise _Miss("cannot read the arguments of F.cross_entropy")
+    return args
 
 
 # The symbols of dynamo's float inputs (zf0, ...) whose values this run of the pass baked in; see rewrite().

@@ -26,8 +26,6 @@ in place before it ends, and a candidate whose fused result would differ in dtyp
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -38,6 +36,7 @@ from fx_passes._match import (
     binary_other,
     erase_unused,
     fake_call,
+    fused_op,
     insert_call,
     is_number,
     is_op,
@@ -64,10 +63,7 @@ class _Miss(Exception):
 
 
 def _fused_op():
-    try:
-        return importlib.import_module(_OP_MODULE).linear_bias_gelu
-    except (ImportError, AttributeError):
-        return None
+    return fused_op(_OP_MODULE, "linear_bias_gelu")
 
 
 # --------------------------------------------------------------------------------------------------

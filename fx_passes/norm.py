@@ -46,7 +46,6 @@ loses values (bf16 -> fp16 loses range) is never folded as an upcast.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +59,7 @@ from fx_passes._match import (
     binary_other,
     erase_unused,
     fake_call,
+    fused_op,
     insert_call,
     insert_getitem,
     is_number,
@@ -720,10 +720,7 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
 
 
 def _fused_op():
-    try:
-        return importlib.import_module(_OP_MODULE).add_dropout_norm
-    except (ImportError, AttributeError):
-        return None
+    return fused_op(_OP_MODULE, "add_dropout_norm")
 
 
 def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
