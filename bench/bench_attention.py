@@ -169,17 +169,23 @@ def run_sweep(args):
     dkdv_cands = {
         64: [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3),
              (128, 128, 8, 2)],
-        128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 1)],
-        256: [(32, 64, 8, 1), (32, 64, 4, 2), (64, 64, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2)],
+        128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 1),
+              ((64, 64, 8, 1), (32, 64, 4, 2)), ((32, 128, 8, 2), (32, 128, 8, 2))],
+        # a pair of configs: dV and dK in two launches (attention_bwd.SPLIT_DKDV_CONFIGS)
+        256: [(32, 32, 4, 2), ((64, 128, 8, 1), (32, 128, 8, 2)), ((32, 128, 8, 2), (32, 128, 8, 2)),
+              ((64, 128, 8, 1), (64, 128, 8, 1)), ((64, 64, 8, 1), (64, 128, 8, 1)),
+              ((64, 64, 8, 1), (32, 128, 8, 2))],
     }
     dq_cands = {
         64: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (128, 64, 8, 3), (64, 128, 8, 2)],
         128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)],
-        256: [(64, 32, 8, 1), (64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2)],
+        256: [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1), (128, 64, 8, 1), (64, 32, 8, 2)],
     }
     shapes = {64: (8, 16, 2048), 128: (4, 16, 4096), 256: (2, 16, 4096)}
+    head_dims = [int(d) for d in args.sweep_head_dims.split(",")]
     t_end = time.time() + args.sweep_seconds
-    for D, (B, H, S) in shapes.items():
+    for D in head_dims:
+        B, H, S = shapes[D]
         q, k, v, _ = _inputs(B, H, H, S, D, None)
         q, k, v = (t.detach() for t in (q, k, v))
         out = torch.empty_like(q)
@@ -188,7 +194,7 @@ def run_sweep(args):
         for causal in (False, True):
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             wr = 0 if causal else -1
-            for cfg in fwd_cands[D]:
+            for cfg in fwd_cands[D] if "fwd" in args.sweep_modes else ():
                 if time.time() > t_end:
                     print("sweep: out of time")
                     return
@@ -204,9 +210,12 @@ def run_sweep(args):
             dout = torch.randn_like(out)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             bwd_flops = 2.5 * flops
-            base = (attention_bwd.DKDV_CONFIGS[D], attention_bwd.DQ_CONFIGS[D])
+            default_dkdv = attention_bwd.SPLIT_DKDV_CONFIGS.get(D, attention_bwd.DKDV_CONFIGS[D])
+            base = (default_dkdv, attention_bwd.DQ_CONFIGS[D])
             cands = [(c, base[1]) for c in dkdv_cands[D]]
             cands += [(base[0], c) for c in dq_cands[D] if c != base[1]]
+            if "bwd" not in args.sweep_modes:
+                cands = []
             for cfg in cands:
                 if time.time() > t_end:
                     print("sweep: out of time")
@@ -348,6 +357,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-seconds", type=float, default=240)
+    p.add_argument("--sweep-head-dims", default="64,128,256", help="head_dims the sweep runs")
+    p.add_argument("--sweep-modes", default="fwd,bwd", help="fwd, bwd or both: what the sweep times")
     p.add_argument("--quick", action="store_true", help="skip the largest rows")
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")

@@ -307,10 +307,20 @@ def _padding_mask(kind: str, B: int, Sk: int, dtype=torch.float16) -> torch.Tens
     return mask.to(dtype).view(B, 1, 1, Sk)
 
 
+# backward variants: the dK/dV config, atomic dQ. A pair of dK/dV configs splits the work in a dV-only and
+# a dK-only launch (the head_dim 256 default, SPLIT_DKDV_CONFIGS).
+JOINT_DKDV, SPLIT_DKDV = (16, 32, 4, 2), ((16, 32, 4, 2), (32, 32, 4, 2))
+BWD_VARIANTS = {
+    "dq_kernel": (JOINT_DKDV, False),
+    "atomic_dq": (JOINT_DKDV, True),
+    "split_dkdv": (SPLIT_DKDV, False),
+}
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_kernel", "atomic_dq"])
+@pytest.mark.parametrize("variant", list(BWD_VARIANTS))
 @pytest.mark.parametrize("case", list(INTERPRET_CASES))
-def test_kernels_under_interpreter(interpreter, case, atomic_dq):
+def test_kernels_under_interpreter(interpreter, case, variant):
     from flash_backend.kernels.attention_bwd import attention_backward_launch
     from flash_backend.kernels.attention_fwd import attention_forward_launch
 
@@ -335,8 +345,9 @@ def test_kernels_under_interpreter(interpreter, case, atomic_dq):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
     dout = torch.randn_like(q)
     grads = [torch.empty_like(t) for t in (q, k, v)] + [torch.empty_like(mask) if c["bias"] else None]
+    dkdv_config, atomic_dq = BWD_VARIANTS[variant]
     attention_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads,
-                              config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=atomic_dq)
+                              config=(dkdv_config, (32, 32, 4, 2)), atomic_dq=atomic_dq)
     ref = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, *args, compute_dbias=c["bias"])
     for got, want in zip(grads, ref, strict=True):
         if want is not None:
@@ -381,12 +392,13 @@ def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_kernel", "atomic_dq"])
-def test_kernels_drop_the_reference_elements_under_interpreter(interpreter, atomic_dq):
+@pytest.mark.parametrize("variant", list(BWD_VARIANTS))
+def test_kernels_drop_the_reference_elements_under_interpreter(interpreter, variant):
     # Sk = 45: 4 * ceil(Sk / 32) = 8 Philox calls per query row, keys 32..44 a partial 32-key span; key
     # blocks of 32 in all three kernels, the second one partial; GQA: the dK/dV kernel walks both q heads.
+    dkdv_config, atomic_dq = BWD_VARIANTS[variant]
     want, *got = _kernel_dropout_masks(2, 2, 1, 37, 45, 48, 0.3, "cpu", fwd_config=(32, 32, 4, 2),
-                                       bwd_config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=atomic_dq)
+                                       bwd_config=(dkdv_config, (32, 32, 4, 2)), atomic_dq=atomic_dq)
     assert abs(want.float().mean().item() - 0.7) < 0.05
     for name, mask in zip(("forward", "dK/dV", "dQ"), got, strict=True):
         assert torch.equal(mask, want), f"{name}: {(mask != want).sum().item()} elements differ"
@@ -433,7 +445,9 @@ CUDA_CASES = {
     "window_causal_bottom_right": dict(D=128, Sq=777, Sk=1000, is_causal=True, window=(64, -1),
                                        align="bottom_right"),
     "gqa_d128": dict(D=128, Hq=8, Hkv=2, is_causal=True),
-    "d256": dict(D=256, Sq=513, Sk=513),
+    "d256": dict(D=256, Sq=513, Sk=513),  # dK and dV in two launches (SPLIT_DKDV_CONFIGS)
+    "d256_causal_gqa": dict(D=256, Hq=8, Hkv=2, Sq=300, Sk=701, is_causal=True, align="bottom_right"),
+    "d256_bias_grad": dict(D=256, Sq=200, Sk=333, mask="bias"),
     "d72_odd": dict(D=72, Sq=97, Sk=113),
     "d8": dict(D=8, Sq=97, Sk=1000),
     "bias_grad": dict(D=64, mask="bias"),

@@ -44,9 +44,17 @@ from flash_backend.ops.attention import (
 
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
-DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)}
+DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (128, 64, 8, 1)}
 # The dK/dV kernel when it also accumulates dQ with atomics: only where use_atomic_dq picks it.
 ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
+# What one dK/dV launch computes. At head_dim 256 the two fp32 (BLOCK_N, 256) accumulators leave room for
+# only 32 keys a program; dV alone (P, then P^T dO) and dK alone (P, dP, dS^T Q) each hold one, so the
+# launcher runs the kernel twice with bigger tiles: 5 matmuls of work instead of 4, at a better rate.
+DKDV_BOTH = tl.constexpr(0)
+DV_ONLY = tl.constexpr(1)
+DK_ONLY = tl.constexpr(2)
+# head_dim bucket -> (dV-only config, dK-only config) for the buckets whose dK/dV work is split in two.
+SPLIT_DKDV_CONFIGS = {256: ((64, 128, 8, 1), (64, 128, 8, 1))}
 
 
 def use_atomic_dq(head_dim: int, dropout_p: float, mask_tiles: bool, deterministic: bool) -> bool:
@@ -145,6 +153,7 @@ def _dkdv_tile_queries_major(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     MASK_DQ: tl.constexpr,
+    PART: tl.constexpr,
 ):
     """One (queries, keys) tile of dK/dV with dropout, computed in the forward's orientation.
 
@@ -160,15 +169,17 @@ def _dkdv_tile_queries_major(
                            HAS_LEFT, HAS_RIGHT)
         qk = tl.where(visible, qk, float("-inf"))
     p = tl.math.exp2(qk - lse[:, None] * 1.4426950408889634)
-    dp = tl.dot(do, tl.trans(v))
     keep = _dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
-    pd = tl.where(keep, p * dropout_scale, 0.0)
-    dp = tl.where(keep, dp * dropout_scale, 0.0)
-    dv += tl.dot(tl.trans(pd.to(do.dtype)), do)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    if ATOMIC_DQ:
-        _add_dq_part(dqa_ptrs, dqa_mask, tl.dot((ds * sm_scale).to(k.dtype), k), MASK_DQ)
+    if PART != DK_ONLY:
+        pd = tl.where(keep, p * dropout_scale, 0.0)
+        dv += tl.dot(tl.trans(pd.to(do.dtype)), do)
+    if PART != DV_ONLY:
+        dp = tl.dot(do, tl.trans(v))
+        dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        if ATOMIC_DQ:
+            _add_dq_part(dqa_ptrs, dqa_mask, tl.dot((ds * sm_scale).to(k.dtype), k), MASK_DQ)
     return dk, dv
 
 
@@ -222,6 +233,7 @@ def _dkdv_inner(
     HAS_RIGHT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PART: tl.constexpr,
 ):
     MASK_Q: tl.constexpr = BOUNDARY or HEAD_DIM != BLOCK_D
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
@@ -246,7 +258,7 @@ def _dkdv_inner(
                 dk, dv, k, v, q, do, lse, delta, seed, key_mask, rows, offs_n, n0, seqlen_k, diag,
                 window_left, window_right, qk_scale, dropout_threshold, dropout_scale, bh, dqa_rows, qmask,
                 sm_scale, BLOCK_M, BLOCK_N, BOUNDARY, HAS_MASK, MASK_IS_BOOL, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ,
-                MASK_Q,
+                MASK_Q, PART,
             )
         else:
             # transposed tiles: (BLOCK_N keys, BLOCK_M queries)
@@ -268,26 +280,29 @@ def _dkdv_inner(
                                    HAS_LEFT, HAS_RIGHT)
                 qkT = tl.where(visible, qkT, float("-inf"))
             pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
-            dpT = tl.dot(v, tl.trans(do))
             if HAS_DROPOUT:
                 # the (queries, keys) tile the forward draws, transposed: the same bits on the same (i, j)
                 keep = _dropout_keep(seed, rows, n0, seqlen_k, bh, dropout_threshold, BLOCK_M, BLOCK_N)
                 keepT = tl.trans(keep)
-                pdT = tl.where(keepT, pT * dropout_scale, 0.0)
-                dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
-            else:
+            if PART != DK_ONLY:
                 pdT = pT
-            dv += tl.dot(pdT.to(do.dtype), do)
-            dsT = pT * (dpT - delta[None, :])
-            if STORE_DBIAS:
-                tl.store(
-                    ds_ptrs + start_m * stride_dsm,
-                    dsT,
-                    mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
-                )
-            dk += tl.dot(dsT.to(q.dtype), q)
-            if ATOMIC_DQ:
-                _add_dq_part(dqa_rows, qmask, tl.dot(tl.trans((dsT * sm_scale).to(k.dtype)), k), MASK_Q)
+                if HAS_DROPOUT:
+                    pdT = tl.where(keepT, pT * dropout_scale, 0.0)
+                dv += tl.dot(pdT.to(do.dtype), do)
+            if PART != DV_ONLY:
+                dpT = tl.dot(v, tl.trans(do))
+                if HAS_DROPOUT:
+                    dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
+                dsT = pT * (dpT - delta[None, :])
+                if STORE_DBIAS:
+                    tl.store(
+                        ds_ptrs + start_m * stride_dsm,
+                        dsT,
+                        mask=(rows[None, :] < seqlen_q) & (offs_n[:, None] < seqlen_k),
+                    )
+                dk += tl.dot(dsT.to(q.dtype), q)
+                if ATOMIC_DQ:
+                    _add_dq_part(dqa_rows, qmask, tl.dot(tl.trans((dsT * sm_scale).to(k.dtype)), k), MASK_Q)
     return dk, dv
 
 
@@ -368,6 +383,7 @@ def _attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PART: tl.constexpr,  # DKDV_BOTH, or one of DV_ONLY / DK_ONLY when the launcher splits the work in two
 ):
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
@@ -544,6 +560,7 @@ def _attention_bwd_dkdv_kernel(
             HAS_RIGHT,
             ATOMIC_DQ,
             1,
+            PART,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -594,6 +611,7 @@ def _attention_bwd_dkdv_kernel(
             HAS_RIGHT,
             ATOMIC_DQ,
             NUM_STAGES,
+            PART,
         )
         dk, dv = _dkdv_inner(
             dk,
@@ -644,26 +662,29 @@ def _attention_bwd_dkdv_kernel(
             HAS_RIGHT,
             ATOMIC_DQ,
             1,
+            PART,
         )
-    dk = dk * sm_scale
-    tl.store(
-        DK
-        + b.to(tl.int64) * stride_dkb
-        + hk * stride_dkh
-        + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkn
-        + offs_d[None, :] * stride_dkd,
-        dk.to(DK.dtype.element_ty),
-        mask=kv_mask,
-    )
-    tl.store(
-        DV
-        + b.to(tl.int64) * stride_dvb
-        + hk * stride_dvh
-        + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvn
-        + offs_d[None, :] * stride_dvd,
-        dv.to(DV.dtype.element_ty),
-        mask=kv_mask,
-    )
+    if PART != DV_ONLY:
+        dk = dk * sm_scale
+        tl.store(
+            DK
+            + b.to(tl.int64) * stride_dkb
+            + hk * stride_dkh
+            + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkn
+            + offs_d[None, :] * stride_dkd,
+            dk.to(DK.dtype.element_ty),
+            mask=kv_mask,
+        )
+    if PART != DK_ONLY:
+        tl.store(
+            DV
+            + b.to(tl.int64) * stride_dvb
+            + hk * stride_dvh
+            + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvn
+            + offs_d[None, :] * stride_dvd,
+            dv.to(DV.dtype.element_ty),
+            mask=kv_mask,
+        )
 
 
 @triton.jit
@@ -989,12 +1010,22 @@ def _launch_backward(
     D = q.shape[-1]
     block_d = max(triton.next_power_of_2(D), 16)
     bucket = head_dim_bucket(D)
-    dkdv_table = ATOMIC_DKDV_CONFIGS if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS else DKDV_CONFIGS
-    dkdv_cfg, dq_cfg = config or (dkdv_table[bucket], DQ_CONFIGS[bucket])
-    if dropout_p > 0.0 and (dkdv_cfg[1] % DROPOUT_KEY_SPAN or dq_cfg[1] % DROPOUT_KEY_SPAN):
+    if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS:
+        default_dkdv = ATOMIC_DKDV_CONFIGS[bucket]
+    else:
+        default_dkdv = SPLIT_DKDV_CONFIGS.get(bucket, DKDV_CONFIGS[bucket])
+    # config (sweeps): (dK/dV config, dQ config); a dK/dV config that is a pair of configs means split
+    dkdv_cfg, dq_cfg = config or (default_dkdv, DQ_CONFIGS[bucket])
+    # plain ints for PART: Inductor writes the launch's constexpr arguments into its generated code
+    if isinstance(dkdv_cfg[0], tuple):
+        dkdv_parts = [(DV_ONLY.value, dkdv_cfg[0]), (DK_ONLY.value, dkdv_cfg[1])]
+    else:
+        dkdv_parts = [(DKDV_BOTH.value, dkdv_cfg)]
+    block_ns = [cfg[1] for _, cfg in dkdv_parts] + [dq_cfg[1]]
+    if dropout_p > 0.0 and any(bn % DROPOUT_KEY_SPAN for bn in block_ns):
         raise ValueError(
             f"attention backward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
-            f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {dkdv_cfg[1]} "
+            f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_ns[:-1]} "
             f"(dK/dV) and {dq_cfg[1]} (dQ)"
         )
     varlen = cu_q is not None
@@ -1025,8 +1056,7 @@ def _launch_backward(
     dq_acc = dummy
     if atomic_dq:
         dq_acc = torch.zeros((delta_rows, delta_seq, D), dtype=torch.float32, device=q.device)
-    bm, bn, warps, stages = dkdv_cfg
-    launch(_attention_bwd_dkdv_kernel)[(triton.cdiv(max_k, bn), B * Hkv)](
+    dkdv_args = (
         q,
         k,
         v,
@@ -1061,15 +1091,20 @@ def _launch_backward(
         dropout_scale(dropout_p),
         window_left,
         window_right,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        STORE_DBIAS=ds is not None,
-        ATOMIC_DQ=atomic_dq,
-        NUM_STAGES=stages,
-        num_warps=warps,
-        num_stages=stages,
-        **common,
     )
+    for part, (bm, bn, warps, stages) in dkdv_parts:
+        launch(_attention_bwd_dkdv_kernel)[(triton.cdiv(max_k, bn), B * Hkv)](
+            *dkdv_args,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            STORE_DBIAS=ds is not None,
+            ATOMIC_DQ=atomic_dq,
+            NUM_STAGES=stages,
+            PART=part,
+            num_warps=warps,
+            num_stages=stages,
+            **common,
+        )
     if atomic_dq:
         # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
         dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
