@@ -1,4 +1,5 @@
-"""Cross-entropy family: F.cross_entropy over a Linear's logits -> flash linear_cross_entropy.
+"""Cross-entropy family: F.cross_entropy (or F.nll_loss of a log_softmax) over a Linear's logits -> flash
+linear_cross_entropy.
 
 Why: a language-model head's logits are the largest tensor of a training step (BERT-base: 16384 x 30522
 in bf16, 1 GB), and around them eager and Inductor add a bias pass, a log-softmax forward and backward and,
@@ -20,11 +21,25 @@ logits keep every other user: the op returns them too, so a model that also retu
 still does. A label_smoothing or ignore_index that dynamic=True made a symbolic input (a loss module
 stored on the model) is specialised, with a guard, once every other check has passed.
 
+The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
+``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
+``torch.special.log_softmax`` and ``z.log_softmax(-1)`` too), with z the chain above, is matched as well:
+ATen's cross_entropy computes exactly that for class-index targets. The log_softmax must be over z's last
+dimension (``-1``, or ``1`` / F.log_softmax's implicit dim on a 2-D z), computed in z's dtype or with
+``dtype=torch.float32`` (z cast up first: the upcast above), and its output, possibly reshaped keeping the
+class dimension last (``F.log_softmax(logits, -1).view(-1, V)``), must be read by the nll_loss only: the
+op does not return log-probabilities. nll_loss's ignore_index and reduction mean what cross_entropy's do
+(label_smoothing 0); its class weights and legacy arguments are left alone as cross_entropy's are. An
+nll_loss whose input is not a log_softmax (seen through views, transposes and casts) is not a candidate.
+
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
 chain that changes values or row order (a slice, a transpose, a cast down or to fp64), and logits that do
 not come from an F.linear, and a tensor the pattern reads that is written in place before the loss (the
-logits scaled in place, ``x.mul_(2)`` between the Linear and the loss).
+logits scaled in place, ``x.mul_(2)`` between the Linear and the loss). For the nll_loss form also: a
+log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities used
+elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss other
+than such a reshape (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from flash_backend import config as flash_config
 from fx_passes._compat import restart_with_specialised_floats
 from fx_passes._match import (
+    arg,
     binary_operands,
     bound_arguments,
     erase_unused,
@@ -46,6 +62,7 @@ from fx_passes._match import (
     fused_op,
     insert_call,
     insert_getitem,
+    is_last_dim,
     is_op,
     op_name,
     tensor_meta,
@@ -206,23 +223,115 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
     return node, chain, upcast, None
 
 
+# Between a log_softmax and the nll_loss that reads it: what makes the nll_loss a candidate (reported when
+# it is not a reshape keeping the class dimension last).
+_TAIL_STEPS = _RESHAPES | _CASTS | {"transpose", "permute", "movedim", "swapaxes", "swapdims", "t", "squeeze",
+                                    "unsqueeze", "getitem", "half", "bfloat16", "double"}
+
+
+_SPECIAL_LOG_SOFTMAX = getattr(getattr(torch, "special", None), "log_softmax", None)
+
+
+def _is_log_softmax(node: object) -> bool:
+    """F.log_softmax, torch.log_softmax, Tensor.log_softmax (nn.LogSoftmax is inlined to the first), and
+    torch.special.log_softmax."""
+    return is_op(node, "log_softmax") or isinstance(node, torch.fx.Node) and \
+        node.op == "call_function" and node.target is _SPECIAL_LOG_SOFTMAX
+
+
+def _log_softmax_signature(input, dim, dtype=None):  # noqa: A002 - torch.log_softmax's own names
+    """How torch.log_softmax, torch.special.log_softmax and Tensor.log_softmax (self first) bind."""
+
+
+def _log_softmax_tail(nll: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The nodes from the nll_loss's input back to a log_softmax, latest first and the log_softmax last,
+    when the input is a log_softmax seen through layout steps and casts; else None: the negative
+    log-likelihood of log-probabilities computed some other way is not a cross-entropy candidate."""
+    node, tail = arg(nll, 0, "input"), []
+    while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
+        tail.append(node)
+        if _is_log_softmax(node):
+            return tail
+        if op_name(node) not in _TAIL_STEPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+    """(z, whether the log_softmax casts z up to fp32) when the log_softmax is z's over its last (the
+    class) dimension, computed in z's dtype or in fp32 (``dtype=torch.float32``: z cast up first, which
+    is what F.cross_entropy(z.float()) computes); else _Miss with the reason."""
+    signature = F.log_softmax if log_softmax.target is F.log_softmax else _log_softmax_signature
+    args = bound_arguments(log_softmax, signature)
+    if args is None or not isinstance(args["input"], torch.fx.Node):
+        raise _Miss(f"cannot read the arguments of the log_softmax {log_softmax.name}")
+    z, dim, dtype = args["input"], args["dim"], args["dtype"]
+    meta = tensor_meta(z)
+    if meta is None:
+        raise _Miss(f"the input of the log_softmax {log_softmax.name} has no tensor metadata")
+    if dim is None and log_softmax.target is F.log_softmax:
+        dim = 0 if meta.dim() in (0, 1, 3) else 1  # F.log_softmax's deprecated implicit dim
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise _Miss(f"the log_softmax {log_softmax.name}'s dim={dim!r} is not a constant int")
+    if not is_last_dim(dim, meta.dim()):
+        raise _Miss(f"the log_softmax {log_softmax.name} is over dim {dim} of its {meta.dim()}-D input, not "
+                    "over the class dimension (the last)")
+    if dtype is None:
+        return z, False
+    if dtype is torch.float32 and _is_upcast(log_softmax, z):
+        return z, meta.dtype != torch.float32
+    raise _Miss(f"the log_softmax {log_softmax.name} with dtype={dtype} is not computed in the {meta.dtype} "
+                "logits' dtype or in fp32")
+
+
+def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[torch.fx.Node]) -> None:
+    """F.nll_loss(F.log_softmax(z, -1), target, ...) is F.cross_entropy(z, target, ...) (ATen's
+    cross_entropy computes exactly that for class-index targets without label smoothing) when the
+    log-probabilities are not used otherwise and reach the nll_loss through row-regrouping reshapes only."""
+    args = bound_arguments(nll, F.nll_loss)
+    if args is None:
+        raise _Miss("cannot read the arguments of F.nll_loss")
+    args = {**args, "label_smoothing": 0.0}  # F.cross_entropy's default: nll_loss has none
+    _check_arguments(args)
+    for step in tail[:-1]:
+        if not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0])):
+            raise _Miss(f"the log-probabilities pass through {op_name(step) or step.target} ({step.name}) "
+                        "between the log_softmax and the nll_loss, which is not a reshape keeping the class "
+                        "dimension last")
+    z, upcasts = _log_softmax_input(tail[-1])
+    for node, reader in zip(tail, [nll, *tail], strict=False):
+        others = [u.name for u in node.users if u is not reader]
+        if others:
+            raise _Miss(f"the log-probabilities {node.name} are also used by {', '.join(others)}: the fused "
+                        "op does not compute them")
+    _rewrite_one(graph, fn, nll, args, z, tail, upcasts, "F.nll_loss")
+
+
 def _slower_than_unfused(*inputs) -> bool:
     metas = [tensor_meta(t) for t in inputs if t is not None]
     on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
     return on_cuda and not flash_config.cross_entropy_on_cuda
 
 
-def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
-    args = _arguments(ce)
-    _check_arguments(args)
-    linear, chain, upcast, added_bias = _logits_source(args["input"])
+def _step_name(node: torch.fx.Node) -> str:
+    return op_name(node) or ("log_softmax" if _is_log_softmax(node) else str(node.target))
+
+
+def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logits_input: torch.fx.Node,
+                 tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str) -> None:
+    """Rewrite the loss ce, whose cross-entropy arguments (checked) are args and whose logits logits_input
+    are (through the chain _logits_source walks) those of an F.linear. tail: the nodes between
+    logits_input and ce, latest first (empty for F.cross_entropy; the log_softmax and the reshapes after
+    it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
+    linear, chain, upcast, added_bias = _logits_source(logits_input)
+    chain, upcast = [*tail, *chain], upcast or tail_upcasts
     x, weight = (linear.args + (None,) * 2)[:2]
     weight = linear.kwargs.get("weight", weight)
     bias = _linear_bias(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
     logits_node = chain[-1] if added_bias is not None else linear
-    variant = "F.linear -> " + " -> ".join(op_name(n) for n in reversed(chain)) + " -> F.cross_entropy" \
-        if chain else "F.linear -> F.cross_entropy"
+    variant = " -> ".join(["F.linear", *(_step_name(n) for n in reversed(chain)), loss_name])
     written = written_before_end({linear, *chain, ce}, ce)
     if written is not None:
         node, writer = written
@@ -269,11 +378,24 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    for ce in [n for n in graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]:
+    losses = (F.cross_entropy, F.nll_loss)
+    for loss in [n for n in graph.nodes if n.op == "call_function" and n.target in losses]:
+        if loss.target is F.cross_entropy:
+            candidate, tail = "Linear + cross-entropy", None
+        else:
+            tail = _log_softmax_tail(loss)
+            if tail is None:
+                continue  # the negative log-likelihood of log-probabilities from elsewhere: not a candidate
+            candidate = "Linear + log_softmax + nll_loss"
         try:
-            _rewrite_one(graph, fn, ce)
+            if tail is None:
+                args = _arguments(loss)
+                _check_arguments(args)
+                _rewrite_one(graph, fn, loss, args, args["input"], [], False, "F.cross_entropy")
+            else:
+                _rewrite_nll_loss(graph, fn, loss, tail)
         except _Miss as miss:
-            record_near_miss(FAMILY, "Linear + cross-entropy", str(miss), ce)
+            record_near_miss(FAMILY, candidate, str(miss), loss)
     if _float_inputs_to_specialise:
         # dynamic=True made a module float (label_smoothing) a graph input and a rewrite baked its value in:
         # restart dynamo's analysis with it a constant, as the norm pass does (Inductor would anyway). The
