@@ -239,7 +239,7 @@ def _is_log_softmax(node: object) -> bool:
         node.op == "call_function" and node.target is _SPECIAL_LOG_SOFTMAX
 
 
-def _log_softmax_signature(input, dim, dtype=None):  # noqa: A002 - torch.log_softmax's own names
+def _log_softmax_signature(input, dim, dtype=None):
     """How torch.log_softmax, torch.special.log_softmax and Tensor.log_softmax (self first) bind."""
 
 
@@ -283,6 +283,12 @@ def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]
         return z, meta.dtype != torch.float32
     raise _Miss(f"the log_softmax {log_softmax.name} with dtype={dtype} is not computed in the {meta.dtype} "
                 "logits' dtype or in fp32")
+
+
+def _rewrite_cross_entropy(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
+    args = _arguments(ce)
+    _check_arguments(args)
+    _rewrite_one(graph, fn, ce, args, args["input"], [], False, "F.cross_entropy")
 
 
 def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[torch.fx.Node]) -> None:
@@ -378,8 +384,9 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    losses = (F.cross_entropy, F.nll_loss)
-    for loss in [n for n in graph.nodes if n.op == "call_function" and n.target in losses]:
+    losses = [n for n in graph.nodes if n.op == "call_function" and
+              (n.target is F.cross_entropy or n.target is F.nll_loss)]
+    for loss in losses:
         if loss.target is F.cross_entropy:
             candidate, tail = "Linear + cross-entropy", None
         else:
@@ -389,9 +396,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
             candidate = "Linear + log_softmax + nll_loss"
         try:
             if tail is None:
-                args = _arguments(loss)
-                _check_arguments(args)
-                _rewrite_one(graph, fn, loss, args, args["input"], [], False, "F.cross_entropy")
+                _rewrite_cross_entropy(graph, fn, loss)
             else:
                 _rewrite_nll_loss(graph, fn, loss, tail)
         except _Miss as miss:
