@@ -53,8 +53,11 @@ ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
 DKDV_BOTH = tl.constexpr(0)
 DV_ONLY = tl.constexpr(1)
 DK_ONLY = tl.constexpr(2)
-# head_dim bucket -> (dV-only config, dK-only config) for the buckets whose dK/dV work is split in two.
+# head_dim bucket -> (dV-only config, dK-only config) for the buckets whose dK/dV work is split in two;
+# with dropout the keep tile's registers make 32 x 128 tiles faster (H200, (2,16,4096,256) p=0.1: causal
+# 7.5 -> 5.5 ms, non-causal 10.1 -> 10.5 ms; the joint 32 x 32 kernel took 6.5 / 12.6 ms).
 SPLIT_DKDV_CONFIGS = {256: ((64, 128, 8, 1), (64, 128, 8, 1))}
+SPLIT_DKDV_DROPOUT_CONFIGS = {256: ((32, 128, 8, 2), (32, 128, 8, 2))}
 
 
 def use_atomic_dq(head_dim: int, dropout_p: float, mask_tiles: bool, deterministic: bool) -> bool:
@@ -1013,7 +1016,8 @@ def _launch_backward(
     if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS:
         default_dkdv = ATOMIC_DKDV_CONFIGS[bucket]
     else:
-        default_dkdv = SPLIT_DKDV_CONFIGS.get(bucket, DKDV_CONFIGS[bucket])
+        split_table = SPLIT_DKDV_DROPOUT_CONFIGS if dropout_p > 0.0 else SPLIT_DKDV_CONFIGS
+        default_dkdv = split_table.get(bucket, DKDV_CONFIGS[bucket])
     # config (sweeps): (dK/dV config, dQ config); a dK/dV config that is a pair of configs means split
     dkdv_cfg, dq_cfg = config or (default_dkdv, DQ_CONFIGS[bucket])
     # plain ints for PART: Inductor writes the launch's constexpr arguments into its generated code
