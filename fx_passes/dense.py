@@ -13,10 +13,11 @@ optionally ``+ b`` of shape (N,) on either side, followed by a GELU of that outp
 
 - ``F.gelu(h)`` / ``nn.GELU`` / transformers' GELUActivation, with its ``approximate`` kept exactly;
 - GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
-  ``x * 0.5 * (1 + erf(x / sqrt(2)))``): any subgraph of pointwise ``mul/add/sub/div/pow/neg`` with
-  constant scalars and one ``tanh`` or ``erf``, fed by h alone, that evaluates (in fp64, on a grid over
-  [-8, 8]) to the tanh or the erf GELU to 1e-9. Which one it is decides ``approximate``: an erf GELU
-  never becomes a tanh one.
+  ``x * 0.5 * (1 + erf(x / sqrt(2)))``, ``0.5 * x * erfc(-x / sqrt(2))``): any subgraph of pointwise
+  ``mul/add/sub/div/pow/neg/square`` with constant scalars and exactly one ``tanh`` (torch or F), ``erf``
+  or ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid
+  over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9. Which one it is decides
+  ``approximate``: an erf GELU never becomes a tanh one.
 
 Left alone, with the reason reported: a Linear whose output has users besides the GELU (its
 pre-activation is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads that is written
@@ -50,7 +51,10 @@ FAMILY = "dense"
 
 _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
-_POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "tanh", "erf"}
+_TRANSCENDENTAL = ("tanh", "erf", "erfc")
+_POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "square", *_TRANSCENDENTAL}
+# Names op_name (fx_passes/_match.py) does not give: torch.special's functions go by "special_erf".
+_LOCAL_NAMES = {torch.special.erf: "erf", torch.special.erfc: "erfc"}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 # Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
 # magnitudes up to 1e8 either side, where a stray term too small to show on [-8, 8] (1e-15 * x**5) grows.
@@ -64,6 +68,17 @@ class _Miss(Exception):
 
 def _fused_op():
     return fused_op(_OP_MODULE, "linear_bias_gelu")
+
+
+def _name(node: object) -> str | None:
+    """op_name, plus the torch.special spellings of erf / erfc."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function":
+        try:
+            if node.target in _LOCAL_NAMES:
+                return _LOCAL_NAMES[node.target]
+        except TypeError:  # unhashable target
+            return None
+    return op_name(node)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,7 +193,7 @@ def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, 
     """The region as a function of h, run in fp64 on x (None if it is not pure pointwise math)."""
     values = {h: x}
     for n in sorted(region, key={m: i for i, m in enumerate(h.graph.nodes)}.get):
-        if op_name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
+        if _name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
             return None
 
         def lookup(a):
@@ -202,9 +217,7 @@ def _match_written_out(h: torch.fx.Node):
         ref = {a: torch.nn.functional.gelu(_GRID, approximate=a) for a in ("none", "tanh")}
     for end in candidates:
         region = _ancestors_within(end, h, allowed)
-        if region is None or not any(is_op(n, "tanh", "erf") for n in region):
-            continue
-        if sum(is_op(n, "tanh", "erf") for n in region) != 1:
+        if region is None or sum(_name(n) in _TRANSCENDENTAL for n in region) != 1:
             continue
         if any(u not in region for n in region - {end} for u in n.users):
             continue  # an intermediate feeds something else; h's other users are reported by the caller
