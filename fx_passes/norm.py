@@ -15,6 +15,15 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   of ``x**2`` / ``x*x`` / ``square`` (Llama, T5, Gemma), or the 2-norm scaled to a root mean square,
   ``x.norm(2, -1, keepdim=True) * N ** -0.5`` (also ``torch.norm``, ``linalg.vector_norm``, ``/ sqrt(N)``;
   eps = 0);
+- a mean, wherever one is read (LayerNorm's mean and variance, RMSNorm's mean square), in any spelling
+  ``_as_mean`` knows: ``mean`` (method or function, dim ``-1`` / ``[-1]`` / ``(-1,)``, keepdim by name or
+  position), a sum divided by the number of elements it adds, ``x.sum(-1, keepdim=True) / N`` or
+  ``* (1 / N)``, N a number equal to the static size or the size itself (``x.shape[-1]``, ``x.size(-1)``,
+  symbolic under dynamic shapes), and either reduced without keepdim then given the dim back
+  (``x.mean(-1).unsqueeze(-1)``, ``[..., None]``). A sum over another count (``/ (N - 1)``, another dim's
+  size) is another function and no candidate; a number over a symbolic size is reported (it is the size
+  only for the example), and so is a dim given back later than on the mean itself
+  (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``: no keepdim);
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
   ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
   multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
@@ -46,6 +55,8 @@ loses values (bf16 -> fp16 loses range) is never folded as an upcast.
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -166,8 +177,9 @@ def _dims_text(dim) -> str:
     return str(tuple(dim)) if isinstance(dim, (list, tuple)) else str(dim)
 
 
-def _check_last_dim(node: torch.fx.Node, dim, keepdim: bool, what: str) -> None:
-    t = tensor_meta(node.args[0])
+def _check_last_dim(src: torch.fx.Node, dim, keepdim: bool, what: str) -> None:
+    """The reduction of src over dim is over its last dim only, with keepdim."""
+    t = tensor_meta(src)
     if t is None:
         raise _Miss(f"{what} has no shape/dtype metadata")
     ndim = t.dim()
@@ -350,46 +362,177 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
     raise _Miss(f"{root.name} does not scale the normalised value as {form}")
 
 
-def _centered(node: object, mean: torch.fx.Node) -> bool:
+# --------------------------------------------------------------------------------------------------------
+# Means, however spelled
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Mean:
+    """A mean of src over dim, in any of the spellings _as_mean knows. keepdim is whether node, the value
+    the norm reads, keeps the reduced dim (given back by an unsqueeze counts); nodes compute it from src."""
+
+    node: torch.fx.Node
+    src: torch.fx.Node
+    dim: object
+    keepdim: bool
+    has_dtype: bool
+    nodes: frozenset[torch.fx.Node]
+    # why the divisor of a sum cannot be proven to be the reduced size (a literal N over a symbolic size):
+    # raised as the near miss once the rest of the pattern matches
+    doubt: str | None = None
+
+
+def _reduction(node: object, name: str) -> _Mean | None:
+    """``name(src, dim, keepdim)`` for name "mean" or "sum", as a _Mean (a sum is not one yet)."""
+    if not isinstance(node, torch.fx.Node) or not is_op(node, name) or not node.args:
+        return None
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node):
+        return None
+    return _Mean(node, src, *_mean_spec(node), frozenset({node}))
+
+
+def _reduced_dims(m: _Mean) -> list[int] | None:
+    """The dims m reduces, non-negative; None when they are not plain ints (or all dims)."""
+    t = tensor_meta(m.src)
+    dims = m.dim if isinstance(m.dim, (list, tuple)) else [m.dim]
+    if t is None or not dims or not all(isinstance(d, int) and -t.dim() <= d < t.dim() for d in dims):
+        return None
+    return [d % t.dim() for d in dims]
+
+
+def _keepdim_restored(node: torch.fx.Node, match) -> _Mean | None:
+    """match(node); or, for node = r.unsqueeze(d) / r[..., None], the reduction r = match(r) taken without
+    keepdim and given its one reduced dim d back, which is the same as keepdim=True."""
+    if is_op(node, "unsqueeze") and len(node.args) == 2 and not node.kwargs:
+        inner, pos = node.args
+    elif is_op(node, "getitem") and len(node.args) == 2 and node.args[1] == (Ellipsis, None):
+        inner, pos = node.args[0], -1
+    else:
+        return match(node)
+    r = match(inner)
+    t = tensor_meta(node)
+    if r is None or r.keepdim or t is None or not isinstance(pos, int) or not -t.dim() <= pos < t.dim():
+        return None
+    if _reduced_dims(r) != [pos % t.dim()]:
+        return None
+    return _Mean(node, r.src, r.dim, True, r.has_dtype, r.nodes | {node}, r.doubt)
+
+
+def _count_doubt(divisor: object, count, reciprocal: bool) -> tuple[bool, str | None]:
+    """(could be, doubt) for a sum divided by divisor (multiplied by it when reciprocal) being a mean over
+    count elements. A number equal to the count, or a size that is the count: (True, None). A number that
+    a symbolic count (dynamic shapes) is only for this example: (True, why that is not proven)."""
+    v = val(divisor) if isinstance(divisor, torch.fx.Node) else divisor
+    if isinstance(v, bool) or not isinstance(v, (int, float, torch.SymInt)):
+        return False, None  # a tensor, a SymFloat, anything else: not a count
+    if reciprocal:  # 1 / N up to the rounding of the division (a few ulps of a double)
+        if not is_number(v) or not 0 < v <= 1 or abs(v * round(1 / v) - 1) > 4 * sys.float_info.epsilon:
+            return False, None
+        v = round(1 / v)
+    if _same_size(v, count):
+        return True, None
+    hint = count.node.hint if isinstance(count, torch.SymInt) and is_number(v) else None
+    if hint is None or hint != v:
+        return False, None
+    return True, (f"the sum is divided by {getattr(divisor, 'name', divisor)!r}, the reduced size only for "
+                  f"this example: the size is symbolic ({count}, dynamic shapes)")
+
+
+def _sum_over_count(node: torch.fx.Node) -> _Mean | None:
+    """``s / N``, ``s * (1 / N)`` or ``(1 / N) * s`` where s sums over dims of N elements in all (N a
+    number or the size itself, ``x.shape[-1]``): a mean. Any other divisor (N - 1, another dim's size)
+    is another function, not a candidate."""
+    pair = binary_operands(node, "div")
+    options = [(pair[0], pair[1], False)] if pair is not None else []
+    pair = binary_operands(node, "mul")
+    options += [(a, b, True) for a, b in ((pair, pair[::-1]) if pair is not None else ())]
+    for summed, divisor, reciprocal in options:
+        s = _keepdim_restored(summed, lambda n: _reduction(n, "sum"))
+        dims = _reduced_dims(s) if s is not None else None
+        if dims is None:
+            continue
+        count = math.prod(tensor_meta(s.src).shape[d] for d in dims)
+        fits, doubt = _count_doubt(divisor, count, reciprocal)
+        if fits:
+            return _Mean(node, s.src, s.dim, s.keepdim, s.has_dtype, s.nodes | {node}, doubt)
+    return None
+
+
+def _as_mean(node: object) -> _Mean | None:
+    """A mean, however spelled: ``mean(x, dim, keepdim)`` (method or function, dim an int or a 1-list),
+    ``sum(x, dim, keepdim) / N`` (or ``* (1 / N)``), and either reduced without keepdim and unsqueezed
+    back (``x.mean(-1).unsqueeze(-1)``, ``x.mean(-1)[..., None]``). None for anything else."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    return _keepdim_restored(node, lambda n: _reduction(n, "mean") or _sum_over_count(n))
+
+
+def _means_of(t: torch.fx.Node) -> list[_Mean]:
+    """The means of t that its users compute (every spelling _as_mean knows), in graph order."""
+    found, frontier = [], [u for u in t.users if is_op(u, "mean", "sum") and u.args and u.args[0] is t]
+    seen = set()
+    for _ in range(3):  # a reduction, then at most a divide and an unsqueeze
+        following = []
+        for n in frontier:
+            if n in seen:
+                continue
+            seen.add(n)
+            m = _as_mean(n)
+            if m is not None and m.src is t:
+                found.append(m)
+            following += [u for u in n.users if is_op(u, "div", "mul", "unsqueeze", "getitem")]
+        frontier = following
+    order = {n: i for i, n in enumerate(t.graph.nodes)}
+    return sorted(found, key=lambda m: order[m.node])
+
+
+def _check_mean(m: _Mean, what: str) -> None:
+    """A mean the fused op computes: over the last dim only, keepdim, no dtype=, a proven divisor."""
+    _check_last_dim(m.src, m.dim, m.keepdim, what)
+    if m.has_dtype:
+        raise _Miss(f"{what} has a dtype= argument")
+    if m.doubt is not None:
+        raise _Miss(f"{what}: {m.doubt}")
+
+
+def _centered(node: object, mean: _Mean) -> bool:
     """node is X - mean(X)."""
     pair = binary_operands(node, "sub") if isinstance(node, torch.fx.Node) else None
-    return pair is not None and pair[1] is mean and _same_value(pair[0], mean.args[0])
+    return pair is not None and pair[1] is mean.node and _same_value(pair[0], mean.src)
 
 
-def _is_mean_node(node: object) -> bool:
-    return isinstance(node, torch.fx.Node) and is_op(node, "mean") and bool(node.args)
-
-
-def _match_rms(mean: torch.fx.Node) -> _Core | None:
-    y = _square_of(mean.args[0])
+def _match_rms(mean: _Mean) -> _Core | None:
+    y = _square_of(mean.src)
     if y is None:
         return None
-    if isinstance(y, torch.fx.Node) and binary_operands(y, "sub") and _is_mean_node(y.args[1]) \
-            and _centered(y, y.args[1]):
-        return None  # the variance of a hand-written LayerNorm: matched from its mean
-    chain = _denominator(mean)
+    if isinstance(y, torch.fx.Node) and binary_operands(y, "sub"):
+        centre = _as_mean(y.args[1])
+        if centre is not None and _centered(y, centre):
+            return None  # the variance of a hand-written LayerNorm: matched from its mean
+    chain = _denominator(mean.node)
     if chain is None:
         return None
     variant = "hand-written RMSNorm"
-    dim, keepdim, has_dtype = _mean_spec(mean)
-    _check_last_dim(mean, dim, keepdim, "the mean of squares")
-    if has_dtype:
-        raise _Miss("the mean of squares has a dtype= argument")
+    _check_mean(mean, "the mean of squares")
     eps, nodes, root, is_sqrt = chain
-    n = tensor_meta(mean.args[0]).shape[-1]
+    n = tensor_meta(mean.src).shape[-1]
     # T5 squares x.float() but scales x itself: the same values, as upcasts are exact.
     accept = lambda v: _same_value(v, y) or _upcast_root(v) is _upcast_root(y)
     scaled = _numerator(root, is_sqrt, accept, n, _upcast_root(y))
     out, value = scaled.out, scaled.value
     eps = _constant(eps, "eps")
-    inner = {mean.args[0], mean, root} | nodes | ({scaled.weighted} if scaled.weighted is not None else set())
+    inner = {mean.src, root} | mean.nodes | nodes
+    if scaled.weighted is not None:
+        inner.add(scaled.weighted)
     if value is not y and value is not _upcast_root(y):
         inner.add(value)  # a second spelling of y's cast
     upcasts = _walk_upcasts(y, inner | {out})
     x = upcasts[-1].args[0] if upcasts else y
     if scaled.weight is not None:
         variant += " + weight"  # on the numerator: (w * x) * rsqrt(...)
-    return _Core(variant, True, x, upcasts, eps, scaled.weight, None, out, mean, inner)
+    return _Core(variant, True, x, upcasts, eps, scaled.weight, None, out, mean.node, inner)
 
 
 def _biased(node: torch.fx.Node) -> bool:
@@ -404,41 +547,33 @@ _REDUCTION_NAMES = {"var": "the variance", "std": "the standard deviation", "var
                     "std_mean": "std_mean"}
 
 
-def _match_layer(mean: torch.fx.Node) -> _Core | None:
-    x = mean.args[0]
-    subs = [u for u in mean.users if _centered(u, mean)]
+def _match_layer(mean: _Mean) -> _Core | None:
+    x = mean.src
+    subs = [u for u in mean.node.users if _centered(u, mean)]
     if not subs:
         return None
-    # The variance: x.var(dim, unbiased=False / correction=0) or mean((x - mean)**2); or the standard
-    # deviation x.std(dim, ...), which is already its square root.
-    stats = []
+    # The variance: x.var(dim, unbiased=False / correction=0) or a mean of (x - mean)**2 (any spelling
+    # _as_mean knows); or the standard deviation x.std(dim, ...), which is already its square root.
+    stats: list[torch.fx.Node | _Mean] = []
     for node in list(x.users) + [v for s in subs for v in s.users]:
         if is_op(node, "var", "std") and node.args and node.args[0] is x:
             stats.append(node)
-        elif _is_mean_node(node) and any(_same_value(_square_of(node.args[0]), s) for s in subs):
-            stats.append(node)
-        elif _square_of(node) is not None and _same_value(_square_of(node), subs[0]):
-            stats.extend(u for u in node.users if _is_mean_node(u))
-    stats = list(dict.fromkeys(stats))
-    chains = [(s, _stat_chain(s, is_op(s, "std"))) for s in stats]
+        elif _square_of(node) is not None and any(_same_value(_square_of(node), s) for s in subs):
+            stats.extend(_means_of(node))
+    stats = list({id(s): s for s in stats}.values())
+    chains = [(s, _stat_chain(s, is_op(s, "std"))) for s in stats]  # a _Mean is no std
     chains = [(s, c) for s, c in chains if c is not None]
     if not chains:
         return None
     stat, chain = chains[0]
-    dim, keepdim, has_dtype = _mean_spec(mean)
-    _check_last_dim(mean, dim, keepdim, "the mean")
-    if is_op(stat, "var", "std"):
-        reduction, inner = stat, {stat}
-    else:
+    _check_mean(mean, "the mean")
+    if isinstance(stat, _Mean):
         reduction = None
-        sdim, skeep, sdtype = _mean_spec(stat)
-        _check_last_dim(stat, sdim, skeep, "the variance")
-        if sdtype:
-            raise _Miss("the variance mean has a dtype= argument")
-        inner = {stat, stat.args[0]} | {a for a in stat.args[0].args if isinstance(a, torch.fx.Node)}
-    if has_dtype:
-        raise _Miss("the mean has a dtype= argument")
-    return _layer_core(x, subs, reduction, chain, inner | {mean}, mean)
+        _check_mean(stat, "the variance")
+        inner = {stat.src, *stat.nodes} | {a for a in stat.src.args if isinstance(a, torch.fx.Node)}
+    else:
+        reduction, inner = stat, {stat}
+    return _layer_core(x, subs, reduction, chain, inner | mean.nodes, mean.node)
 
 
 def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
@@ -458,8 +593,10 @@ def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
     return _layer_core(x, subs, vm, chain, {vm, stat, mean}, vm)
 
 
-def _stat_chain(stat: torch.fx.Node, is_std: bool):
+def _stat_chain(stat: torch.fx.Node | _Mean, is_std: bool):
     """_denominator of a variance; a standard deviation is its own square root (eps absent)."""
+    if isinstance(stat, _Mean):
+        stat = stat.node
     return (0.0, set(), stat, True) if is_std else _denominator(stat)
 
 
@@ -471,7 +608,8 @@ def _layer_core(x, subs, reduction, chain, inner: set, anchor) -> _Core:
     reasons = []
     if reduction is not None:
         what = _REDUCTION_NAMES[op_name(reduction)]
-        _check_last_dim(reduction, arg(reduction, 1, "dim"), bool(arg(reduction, 3, "keepdim", False)), what)
+        dim, keepdim = arg(reduction, 1, "dim"), bool(arg(reduction, 3, "keepdim", False))
+        _check_last_dim(reduction.args[0], dim, keepdim, what)
         if not _biased(reduction):
             reasons.append(f"{what} is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
     # Every reason is given (the Annotated Transformer's x.std() + eps has two).
@@ -556,7 +694,7 @@ def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
     out = next((u for u in rms.users if _divides(u, rms, x)), None)
     if out is None:
         return None
-    _check_last_dim(norm, dim, keepdim, "the 2-norm")
+    _check_last_dim(x, dim, keepdim, "the 2-norm")
     inner = {norm, rms}
     if out.args[0] is not x and out.args[0] is not _upcast_root(x):
         inner.add(out.args[0])
@@ -833,7 +971,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     _float_inputs_to_specialise.clear()
     decisions = []  # reported once the run is known to stand (see the end)
     anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm", "var_mean", "std_mean")
-               or _is_mean_node(n) or _two_norm(n) is not None]
+               or _as_mean(n) is not None or _two_norm(n) is not None]
     done: set[torch.fx.Node] = set()
     for node in anchors:
         if node in done:
@@ -852,10 +990,11 @@ def rewrite(graph: torch.fx.Graph) -> None:
                 core = _match_two_norm_rms(node)
             else:
                 variant = "hand-written LayerNorm"
-                core = _match_layer(node)
+                mean = _as_mean(node)
+                core = _match_layer(mean)
                 if core is None:
                     variant = "hand-written RMSNorm"
-                    core = _match_rms(node)
+                    core = _match_rms(mean)
             if core is None:
                 continue
             choice = _choose(fn, core)
