@@ -6,10 +6,25 @@ the (tanh) GELU and the store of the pre-activation in the GEMM's epilogue, and 
 the weight-gradient GEMM (flash_backend/ops/dense.py).
 
 What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
-backward): ``F.linear(x, w, b)`` (nn.Linear), or ``torch.addmm(b, x, m)`` with default alpha/beta
-(transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back to (..., N)),
-or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``torch.mm``, ``x @ m`` with m (K, N)) and
-optionally ``+ b`` of shape (N,) on either side, followed by a GELU of that output:
+backward): ``F.linear(x, w, b)`` (nn.Linear; arguments by position or keyword), or ``torch.addmm(b, x, m)``
+with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back
+to (..., N)), or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``,
+``x @ m`` with m (K, N)), followed by a GELU of that output. Between the two, any number of ``+ b``
+with b a tensor of shape (N,) (either side of the add, no alpha) are taken into the op's bias: the bias of a
+bias-free Linear (``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``, ``x @ w.t() + b``), and a
+second bias on a biased one (``lin(x) + b2``), passed as ``b + b2`` computed in the graph (autograd takes
+its gradient to both).
+
+That is the same function. In exact arithmetic linear(x, w, b) + b2 is linear(x, w, b + b2). In floating
+point eager rounds twice, round(round(acc + b) + b2), the rewrite round(acc + round(b + b2)); each is one
+rounding of an intermediate (|acc + b| in eager, |b + b2| here) away from the exact value, and neither is
+bitwise the other. That is the tolerance every rewrite here already takes: ``x @ w.t() + b`` in bf16 rounds
+the matmul before the add in eager and not in the fused epilogue, and the erf GELU written out rounds at each
+of its ops. tests/test_dense_pass_more_forms.py measures the bf16 case against fp64: the rewrite is as
+close to the exact function as eager. A bias whose dtype differs from the Linear's (eager promotes) is not
+taken: the op's own dtype check reports it.
+
+The GELU after it:
 
 - ``F.gelu(h)`` / ``nn.GELU`` / transformers' GELUActivation, with its ``approximate`` kept exactly;
 - GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
@@ -19,10 +34,14 @@ optionally ``+ b`` of shape (N,) on either side, followed by a GELU of that outp
   over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9. Which one it is decides
   ``approximate``: an erf GELU never becomes a tanh one.
 
-Left alone, with the reason reported: a Linear whose output has users besides the GELU (its
-pre-activation is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads that is written
-in place before it ends, and a candidate whose fused result would differ in dtype or shape from eager's
-(checked by running the op on the fake inputs).
+Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
+with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
+that is written in place before it ends, a Linear that computes in another dtype than its input (autocast:
+the op, given the uncast inputs, would run another GEMM), and a candidate whose fused result would differ in
+dtype or shape from eager's (checked by running the op on the fake inputs). Left alone without a report,
+because they are not a Linear + bias + GELU the pass can prove: ``h - b``, ``torch.add(h, b, alpha=a)``,
+an addend of another shape ((1, N), (M, N)), a bias add on a Linear output that is also read elsewhere, a
+GELU written with two transcendental calls, sigmoid forms.
 """
 
 from __future__ import annotations
@@ -109,6 +128,8 @@ def _bias_add(mm: torch.fx.Node):
         return None
     (add,) = mm.users
     b = binary_other(add, "add", mm)
+    if b is mm:  # h + h is 2h, not a bias
+        return None
     bt, mt = tensor_meta(b), tensor_meta(mm)
     if bt is None or mt is None or bt.dim() != 1 or mt.dim() < 1 \
             or not statically_known_true(bt.shape[0] == mt.shape[-1]):  # no guard on a symbolic N
@@ -274,48 +295,73 @@ def _slower_than_unfused(*inputs) -> bool:
     return on_cuda and needs_backward and not flash_config.dense_training_on_cuda
 
 
+def _added_biases(h: torch.fx.Node, has_bias: bool):
+    """The (add, b) of each (N,) tensor added to the Linear's output before the GELU, in order: the bias of a
+    bias-free Linear (``F.linear(x, w) + b``), a second bias on a biased one (``lin(x) + b2``), and so on."""
+    added = []
+    while (biased := _bias_add(h)) is not None:
+        added.append(biased)
+        h = biased[0]
+    names = [f"b{i + 1}" if i else "b" for i in range(int(has_bias), int(has_bias) + len(added))]
+    return added, "".join(f" + {name}" for name in names)
+
+
 def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     found = _linear_inputs(linear)
     if found is None:
         return False
     variant, x, weight, mat2, bias, h = found
     view = h if is_op(linear, "addmm") and h is not linear else None
+    added, spelled = _added_biases(h, bias is not None)
+    if added:
+        h = added[-1][0]
     gelu = _gelu_after(h)
     if gelu is None:
         return False
     gelu_variant, approximate, end, region = gelu
-    variant = f"{variant} + {gelu_variant}"
+    variant = f"{variant}{spelled} + {gelu_variant}"
     outside = [u for u in h.users if u not in region]
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
+    lt, xt = tensor_meta(linear), tensor_meta(x)
+    if lt is not None and xt is not None and lt.dtype != xt.dtype:  # the op would run the GEMM in xt.dtype
+        raise _Miss(f"{variant}: the Linear computes in {lt.dtype} from {xt.dtype} inputs (autocast); "
+                    "not fused")
 
-    written = written_before_end({linear, h, *region}, end)
+    adds = [a for a, _ in added]
+    written = written_before_end({linear, *filter(None, [view]), *adds, h, *region}, end)
     if written is not None:  # dynamo may read one node before and after the write: no single value
         raise _Miss(f"{variant}: {written[0].name} is written in place by {written[1].name} before the GELU "
                     "ends; not fused")
-    if _slower_than_unfused(x, weight, mat2, bias):
+    biases = [b for b in (bias, *(b for _, b in added)) if b is not None]
+    if _slower_than_unfused(x, weight, mat2, *biases):
         raise _Miss(f"{variant}: a training graph on CUDA, where the fused op's forward+backward measured "
                     "slower than Inductor (see flash_backend/config.py; set dense_training_on_cuda=True "
                     "to fuse it)")
+    inserted = []
     if mat2 is not None:
         weight = insert_call(graph, torch.t, (mat2,), like=linear)
+        inserted.append(weight)
+    bias = biases[0] if biases else None
+    for b in biases[1:]:  # linear(x, w, b) + b2 is linear(x, w, b + b2): the docstring says why that is exact
+        bias = insert_call(graph, torch.add, (bias, b), like=linear)
+        inserted.append(bias)
     args, kwargs = (x, weight, bias), {"approximate": approximate}
     try:
         result = fake_call(fn, args, kwargs)
     except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
-        _drop(graph, weight, mat2)
+        _drop(graph, inserted)
         reason = str(e).splitlines()[0][:200]
         raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
     want = tensor_meta(end)
-    if view is not None and isinstance(result, torch.Tensor):
-        want = tensor_meta(linear)
-    if not isinstance(result, torch.Tensor) or want is None or result.dtype != want.dtype or \
-            tuple(result.shape) != tuple(want.shape):
-        _drop(graph, weight, mat2)
+    shaped = tensor_meta(linear) if view is not None else want  # the op returns the addmm's 2-d shape
+    if not isinstance(result, torch.Tensor) or want is None or shaped is None or result.dtype != want.dtype \
+            or tuple(result.shape) != tuple(shaped.shape):
+        _drop(graph, inserted)
         got = (result.dtype, tuple(result.shape)) if isinstance(result, torch.Tensor) else None
-        raise _Miss(f"{variant}: the fused op would return {got}, eager "
-                    f"{(want.dtype, tuple(want.shape)) if want is not None else 'has no metadata'}")
+        eager = "has no metadata" if want is None or shaped is None else (want.dtype, tuple(shaped.shape))
+        raise _Miss(f"{variant}: the fused op would return {got}, eager {eager}")
 
     fused = insert_call(graph, fn, args, kwargs, like=linear)
     if view is not None:
@@ -324,7 +370,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     end.replace_all_uses_with(fused)
     record_rewrite(FAMILY, variant, _OP_NAME, linear)
     operands = linear.all_input_nodes
-    erase_unused(graph, region | {h, linear})
+    erase_unused(graph, region | {h, linear, *adds, *filter(None, [view])})
     erase_unused(graph, [n for n in operands if _is_transpose_2d(n)])  # the w.t() the op no longer reads
     return True
 
@@ -333,9 +379,11 @@ def _method(name: str):
     return getattr(torch.Tensor, name)
 
 
-def _drop(graph: torch.fx.Graph, weight: torch.fx.Node, mat2) -> None:
-    if mat2 is not None and not weight.users:
-        graph.erase_node(weight)
+def _drop(graph: torch.fx.Graph, inserted: list[torch.fx.Node]) -> None:
+    """Erase what a failed attempt inserted (the w.t() and the bias sums), latest first."""
+    for node in reversed(inserted):
+        if not node.users:
+            graph.erase_node(node)
 
 
 def rewrite(graph: torch.fx.Graph) -> None:
