@@ -9,11 +9,13 @@ What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op'
 backward): ``F.linear(x, w, b)`` (nn.Linear; arguments by position or keyword), or ``torch.addmm(b, x, m)``
 with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back
 to (..., N)), or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``,
-``x @ m`` with m (K, N)), followed by a GELU of that output. Between the two, any number of ``+ b``
-with b a tensor of shape (N,) (either side of the add, no alpha) are taken into the op's bias: the bias of a
-bias-free Linear (``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``, ``x @ w.t() + b``), and a
-second bias on a biased one (``lin(x) + b2``), passed as ``b + b2`` computed in the graph (autograd takes
-its gradient to both).
+``x @ m`` with m (K, N)), or a two-operand ``torch.einsum`` that is one (``'bsk,nk->bsn'``,
+``'...k,kn->...n'``, either operand order: x's last index contracted with the 2-d operand's, the output x's
+other indices in order and then the free one; nothing else), followed by a GELU of that output. Between the
+two, any number of ``+ b`` with b a tensor of shape (N,) (either side of the add, no alpha) are taken into
+the op's bias: the bias of a bias-free Linear (``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``,
+``x @ w.t() + b``), and a second bias on a biased one (``lin(x) + b2``), passed as ``b + b2`` computed in
+the graph (autograd takes its gradient to both).
 
 That is the same function. In exact arithmetic linear(x, w, b) + b2 is linear(x, w, b + b2). In floating
 point eager rounds twice, round(round(acc + b) + b2), the rewrite round(acc + round(b + b2)); each is one
@@ -155,6 +157,65 @@ def _matmul_linear(node: torch.fx.Node):
     return variant, x, None, m, b, out
 
 
+def _einsum_terms(equation: str):
+    """(first term, second term, output term) of a two-operand einsum equation with an explicit output,
+    else None."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1 or eq.count(",") != 1:
+        return None
+    lhs, out = eq.split("->")
+    first, second = lhs.split(",")
+    return first, second, out
+
+
+def _einsum_as_linear(tx: str, tm: str, out: str):
+    """For x's term tx and the 2-d operand's term tm: 'nk' or 'kn' when einsum(tx, tm -> out) is x's last
+    index contracted with tm's and the output is x's other indices in order, then tm's free one, else None."""
+    ellipsis = tx.startswith("...") and out.startswith("...")
+    if ellipsis:
+        tx, out = tx[3:], out[3:]
+    if not (tx.isalpha() and tm.isalpha() and out.isalpha()) or len(tm) != 2 or len(set(tm)) != 2:
+        return None
+    if len(set(tx)) != len(tx):  # a repeated index is a diagonal
+        return None
+    k = tx[-1]
+    if k not in tm:
+        return None
+    n = tm.replace(k, "")
+    if n in tx or out != tx[:-1] + n:
+        return None
+    return "nk" if tm == n + k else "kn"
+
+
+def _einsum_linear(node: torch.fx.Node):
+    """torch.einsum('bsk,nk->bsn', x, w) [+ b] is F.linear(x, w [, b]) ('...k,kn->...n' is x @ m with m
+    (K, N)); either operand order. Another contraction, a batched or 3-d second operand, a permuted output or
+    a repeated index is not a Linear."""
+    if node.op != "call_function" or node.kwargs or len(node.args) < 2 or not isinstance(node.args[0], str):
+        return None
+    ops = node.args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    terms = _einsum_terms(node.args[0])
+    if len(ops) != 2 or terms is None:
+        return None
+    first, second, out = terms
+    for (x, tx), (m, tm) in (((ops[0], first), (ops[1], second)), ((ops[1], second), (ops[0], first))):
+        layout = _einsum_as_linear(tx, tm, out)
+        xt, mt = tensor_meta(x), tensor_meta(m)
+        if layout is None or xt is None or mt is None or mt.dim() != 2:
+            continue
+        if not tx.startswith("...") and xt.dim() != len(tx):
+            continue
+        biased = _bias_add(node)
+        h, b = biased if biased is not None else (node, None)
+        variant = f"torch.einsum({node.args[0]!r})" + (" + b" if b is not None else "")
+        if layout == "nk":
+            return variant, x, m, None, b, h
+        return variant, x, None, m, b, h
+    return None
+
+
 def _linear_inputs(node: torch.fx.Node):
     """(variant, x, weight-or-None, transposed-weight-or-None, bias, pre-activation) of a Linear-like node,
     else None. The pre-activation is the node whose value the GELU must take: the node itself, the bias add
@@ -164,6 +225,8 @@ def _linear_inputs(node: torch.fx.Node):
         return "F.linear", x, w, None, b, node
     if is_op(node, "matmul", "mm"):
         return _matmul_linear(node)
+    if is_op(node, "einsum"):
+        return _einsum_linear(node)
     if is_op(node, "addmm") and node.op == "call_function":
         if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
             raise _Miss("addmm has alpha/beta other than 1")
@@ -390,7 +453,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
         return
-    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm", "matmul", "mm")]
+    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm", "matmul", "mm", "einsum")]
     for node in linears:
         if node.graph is not graph:
             continue

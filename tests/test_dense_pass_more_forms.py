@@ -1,6 +1,6 @@
 """The dense pass on more same-function spellings: a bias added to a bias-free Linear, a second bias on a
-biased one, GELU spelled with torch.special.erf / erfc / torch.square / F.tanh; and the look-alikes next to
-them that must stay unrewritten.
+biased one, GELU spelled with torch.special.erf / erfc / torch.square / F.tanh, F.linear by keyword, and
+Linear written as an einsum; and the look-alikes next to them that must stay unrewritten.
 
 Every positive case checks the exact rewrite count, the variant in the report, and outputs and gradients
 (x, the weight and every bias) against eager on CPU fp32, with odd sizes, in training and in eval.
@@ -122,6 +122,30 @@ SAME = {
         _on_lin(lambda h: torch.mul(torch.mul(h, 0.5), torch.add(torch.tanh(
             torch.mul(SQRT_2_OVER_PI, torch.add(h, torch.mul(0.044715, torch.pow(h, 3))))), 1.0))),
         "lin", (3, 5, K), "GELU written out (tanh)"),
+    # 4. Linear spellings
+    "flinear_all_keywords": (lambda m, x: F.gelu(F.linear(input=x, weight=m.w, bias=m.b)), "w b", (3, 5, K),
+                             "F.linear + F.gelu"),
+    "flinear_mixed_keywords": (lambda m, x: F.gelu(torch.nn.functional.linear(x, weight=m.w, bias=m.b)),
+                               "w b", (3, 5, K), "F.linear + F.gelu"),
+    "matmul_method_wT_plus_b": (lambda m, x: F.gelu(x.matmul(m.w.T) + m.b), "w b", (3, 5, K),
+                                "x @ w.t() + b + F.gelu"),
+    "matmul_wmT_plus_b": (lambda m, x: F.gelu(x @ m.w.mT + m.b), "w b", (3, 5, K), "x @ w.t() + b + F.gelu"),
+    "torch_matmul_3d_plus_b": (lambda m, x: F.gelu(torch.matmul(x, m.w.t()) + m.b), "w b", (3, 5, K),
+                               "x @ w.t() + b + F.gelu"),
+    "einsum_bsk_nk_plus_b": (lambda m, x: F.gelu(torch.einsum("bsk,nk->bsn", x, m.w) + m.b), "w b", (3, 5, K),
+                             "torch.einsum('bsk,nk->bsn') + b + F.gelu"),
+    "einsum_ellipsis_plus_b_tanh": (
+        lambda m, x: F.gelu(m.b + torch.einsum("...k,nk->...n", x, m.w), approximate="tanh"), "w b",
+        (3, 5, K), "torch.einsum('...k,nk->...n') + b + F.gelu(tanh)"),
+    "einsum_kn_layout_plus_b": (lambda m, x: new_gelu(torch.einsum("bsk,kn->bsn", x, m.wt) + m.b), "wt b",
+                                (3, 5, K), "torch.einsum('bsk,kn->bsn') + b + GELU written out (tanh)"),
+    "einsum_weight_first_spaces": (lambda m, x: F.gelu(torch.einsum("n k, b s k -> b s n", m.w, x) + m.b),
+                                   "w b", (3, 5, K), "+ b + F.gelu"),
+    "einsum_2d_no_bias": (lambda m, x: erf_gelu(torch.einsum("ik,jk->ij", x, m.w)), "w", (7, K),
+                          "torch.einsum('ik,jk->ij') + GELU written out (erf)"),
+    "einsum_list_operands_plus_b_plus_b2": (
+        lambda m, x: F.gelu(torch.einsum("bsk,nk->bsn", [x, m.w]) + m.b + m.b2), "w b b2", (3, 5, K),
+        "+ b + b2 + F.gelu"),
 }
 
 
@@ -196,7 +220,7 @@ def test_second_bias_in_bf16_is_as_close_to_the_exact_function_as_eager():
 @pytest.mark.parametrize("train", [True, False])
 def test_end_to_end_backend_flash(train):
     for fn, parts in ((lambda m, x: F.gelu(m.lin(x) + m.b2, approximate="tanh"), "lin b2"),
-                      (lambda m, x: _special_erf_gelu(F.linear(x, m.w) + m.b), "w b")):
+                      (lambda m, x: _special_erf_gelu(torch.einsum("bsk,nk->bsn", x, m.w) + m.b), "w b")):
         torch._dynamo.reset()
         counters.clear()
         m = Parts(fn, parts).train(train)
@@ -226,6 +250,12 @@ NOT_A_CANDIDATE = {
     "bias_free_plus_scaled_b": (lambda m, x: F.gelu(torch.add(F.linear(x, m.w), m.b, alpha=2)), "w b"),
     "linear_plus_itself": (lambda m, x: F.gelu(m.lin(x) + m.lin(x)), "lin"),
     "second_bias_and_pre_activation_read_elsewhere": (_second_bias_pre_activation_read_elsewhere, "lin b2"),
+    "einsum_permuted_output": (lambda m, x: F.gelu(torch.einsum("bsk,nk->bns", x, m.w)), "w"),
+    "einsum_contracts_a_middle_dim": (lambda m, x: F.gelu(torch.einsum("bks,nk->bsn", x, m.w)), "w",
+                                      (3, K, 5)),
+    "einsum_sums_an_extra_dim": (lambda m, x: F.gelu(torch.einsum("bsk,nk->bn", x, m.w)), "w"),
+    "einsum_outer_product_then_sum": (lambda m, x: F.gelu(torch.einsum("bsk,nj->bsn", x, m.w)), "w"),
+    "einsum_three_operands": (lambda m, x: F.gelu(torch.einsum("bsk,nk,n->bsn", x, m.w, m.b)), "w b"),
     "erfc_wrong_sign": (_on_lin(lambda h: 0.5 * h * torch.erfc(h / math.sqrt(2.0))), "lin"),
     "erfc_without_half": (_on_lin(lambda h: h * torch.special.erfc(-h / math.sqrt(2.0))), "lin"),
     "special_erf_over_sqrt3": (_on_lin(lambda h: h * 0.5 * (1.0 + torch.special.erf(h / math.sqrt(3.0)))),
