@@ -463,12 +463,17 @@ def _rms_mean_square_detached(m, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).detach() + EPS)
 
 
-@pytest.mark.parametrize("fn", [_ln_stats_by_sum_over_n, _ln_unbiased_by_sum, _rms_l1_mean, _ln_mean_detached,
+def test_norm_sum_over_n_is_rewritten():
+    # a sum / N is a mean (fx_passes/norm.py _as_mean; more spellings in tests/test_norm_pass_more_forms.py)
+    _check_rewrite(Fn(_ln_stats_by_sum_over_n, bias=False), (_x(2, 5, N),),
+                   text="hand-written LayerNorm + weight", atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [_ln_unbiased_by_sum, _rms_l1_mean, _ln_mean_detached,
                                 _rms_mean_square_detached], ids=lambda f: f.__name__.strip("_"))
-def test_norm_lookalikes_and_unseen_spellings_are_left_alone(fn):
-    # Statistics that are not a mean (a sum / N: the same function, unseen; a sum / (N - 1), a mean of |x|:
-    # other functions) or detached (same forward, another backward): no candidate, nothing rewritten, and
-    # forward and gradients stay eager's.
+def test_norm_lookalikes_are_left_alone(fn):
+    # Statistics that are not a mean (a sum / (N - 1), a mean of |x|: other functions) or detached (same
+    # forward, another backward): no candidate, nothing rewritten, and forward and gradients stay eager's.
     m = Fn(fn, bias=False)
     counters.clear()
     with collecting() as report:
@@ -572,6 +577,9 @@ DENSE_SAME = {
     "bias_added_in_place": (_Params(_inplace_bias), (3, 5, DK), "x @ w.t() + b"),
     "nn_gelu_tanh_module": (nn.Sequential(nn.Linear(DK, DN), nn.GELU(approximate="tanh")), (4, DK),
                             "F.gelu(tanh)"),
+    # linear(x, w, b) + b2 is linear(x, w, b + b2): the op gets the sum (tests/test_dense_pass_more_forms.py)
+    "second_bias_on_a_biased_linear": (_Params(lambda m, x: F.gelu(m.lin(x) + m.b2), parts="lin b2"),
+                                       (3, 5, DK), "F.linear + b2 + F.gelu"),
 }
 
 
@@ -594,7 +602,6 @@ DENSE_OTHER = {
     "gelu_of_scaled_linear": (lambda m, x: F.gelu(m.lin(x) * 2), "lin", (3, 5, DK), None),
     "silu": (lambda m, x: F.silu(m.lin(x)), "lin", (3, 5, DK), None),
     "x_sigmoid_x": (lambda m, x: (lambda h: h * torch.sigmoid(h))(m.lin(x)), "lin", (3, 5, DK), None),
-    "second_bias_on_a_biased_linear": (lambda m, x: F.gelu(m.lin(x) + m.b2), "lin b2", (3, 5, DK), None),
     "addmm_full_addend": (lambda m, x: F.gelu(torch.addmm(_FULL_ADDEND, x, m.w.t())), "w", (7, DK),
                           "not a 1-d (N,) tensor"),
     "addmm_row_bias_1xn": (lambda m, x: F.gelu(torch.addmm(m.b[None], x, m.w.t())), "w b", (7, DK),
@@ -675,6 +682,10 @@ CE_SAME = {
         (3, 7), 0),
     "tied_embedding_linear": (_TiedLinearHead, (3, 7), -100),
     "shifted_hidden_states": (_ShiftedHiddenHead, (3, 7), -100),
+    # nll_loss(log_softmax(z)) is cross-entropy (more spellings: tests/test_cross_entropy_pass_nll_forms.py)
+    "nll_loss_of_log_softmax": (
+        lambda: ce_suite.Head(lambda lg, y: F.nll_loss(F.log_softmax(lg.view(-1, V), -1), y.view(-1))),
+        (3, 7), -100),
 }
 
 
@@ -706,10 +717,6 @@ CE_OTHER = {
         lambda: ce_suite.Head(lambda lg, y: F.cross_entropy((lg - lg.amax(-1, keepdim=True)).view(-1, V),
                                                             y.view(-1))),
         lambda: ce_suite._labels((3, 7)), "sub (sub)"),
-    # nll_loss(log_softmax(z)) is cross-entropy, but the pass matches F.cross_entropy only: not a candidate
-    "nll_loss_of_log_softmax": (
-        lambda: ce_suite.Head(lambda lg, y: F.nll_loss(F.log_softmax(lg.view(-1, V), -1), y.view(-1))),
-        lambda: ce_suite._labels((3, 7)), None),
 }
 
 
