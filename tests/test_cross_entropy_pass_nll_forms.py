@@ -15,7 +15,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_cross_entropy_pass import Head, K, V, _check, _labels, _not_rewritten, _run
+from test_cross_entropy_pass import (
+    Head,
+    K,
+    V,
+    _check,
+    _labels,
+    _not_rewritten,
+    _run,
+    check_end_to_end_through_inductor,
+)
 from torch._dynamo.utils import counters
 
 from flash_backend.backend import rewrite_only_backend
@@ -165,15 +174,7 @@ def test_dynamic_with_loss_modules_stored_on_the_model():
 
 
 def test_end_to_end_through_inductor():
-    torch.manual_seed(0)
-    model = Head(SPELLINGS["z.log_softmax(-1)"])
-    x, labels = torch.randn(2, 5, K), _labels((2, 5))
-    expected = _run(model, (x, labels), True)
-    counters.clear()
-    got = _run(torch.compile(model, backend="flash"), (x, labels), True)
-    assert counters["flash"]["cross_entropy"] == 1
-    for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    check_end_to_end_through_inductor(SPELLINGS["z.log_softmax(-1)"])
 
 
 # ------------------------------------------------------------------------------------------ near misses
