@@ -33,8 +33,9 @@ The GELU after it:
   ``x * 0.5 * (1 + erf(x / sqrt(2)))``, ``0.5 * x * erfc(-x / sqrt(2))``): any subgraph of pointwise
   ``mul/add/sub/div/pow/neg/square`` with constant scalars and exactly one ``tanh`` (torch or F), ``erf``
   or ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid
-  over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9. Which one it is decides
-  ``approximate``: an erf GELU never becomes a tanh one.
+  over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within
+  rounding (a constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function).
+  Which one it is decides ``approximate``: an erf GELU never becomes a tanh one.
 
 Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
 with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
@@ -313,8 +314,33 @@ def _match_written_out(h: torch.fx.Node):
             continue
         for approximate, r in ref.items():
             if bool(((y - r).abs() <= 1e-9 * r.abs().clamp_min(1.0)).all()):
+                if not _same_in_dtype(region, h, end, approximate):
+                    break
                 return approximate, end, region
     return None
+
+
+def _same_in_dtype(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node,
+                   approximate: str) -> bool:
+    """The region run in h's own dtype is the GELU to within rounding: a constant that under- or overflows
+    there (``h * 1e-50 * 1e50`` in fp32, ``h * 1e5 / 1e5`` in fp16) is another function (0, inf, nan) that
+    fp64 does not show."""
+    ht = tensor_meta(h)
+    if ht is None or not ht.is_floating_point() or ht.dtype == torch.float64:
+        return True
+    xs = _GRID.to(ht.dtype)
+    xs = xs[xs.isfinite()]
+    try:
+        with torch.no_grad():
+            y = _evaluate(region, h, end, xs)
+    except Exception:  # noqa: BLE001 - not evaluable in that dtype: not provably the same function
+        return False
+    if not isinstance(y, torch.Tensor) or y.shape != xs.shape:
+        return False
+    x = xs.double()
+    r = torch.nn.functional.gelu(x, approximate=approximate)
+    tol = 64 * torch.finfo(ht.dtype).eps * x.abs().clamp_min(1.0)
+    return bool(((y.double() - r).abs() <= tol).all())
 
 
 def _gelu_after(h: torch.fx.Node):
