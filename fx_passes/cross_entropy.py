@@ -34,12 +34,13 @@ nll_loss whose input is not a log_softmax (seen through views, transposes and ca
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
-chain that changes values or row order (a slice, a transpose, a cast down or to fp64), and logits that do
-not come from an F.linear, and a tensor the pattern reads that is written in place before the loss (the
-logits scaled in place, ``x.mul_(2)`` between the Linear and the loss). For the nll_loss form also: a
-log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities used
-elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss other
-than such a reshape (a cast of the log-probabilities, a transpose).
+chain that changes values or row order (a slice, a transpose, a cast down or to fp64, a ``view(dtype)``
+reinterpreting the bits), and logits that do not come from an F.linear, and a tensor the pattern reads
+that is written in place before the loss (the logits scaled in place, ``x.mul_(2)`` between the Linear
+and the loss). For the nll_loss form also: a log_softmax over another dimension, or in another dtype
+(fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step
+between the log_softmax and the nll_loss other than such a reshape (a cast of the log-probabilities, a
+transpose).
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def _check_arguments(args: dict) -> None:
 
 
 def _is_reshape_keeping_classes(step: torch.fx.Node, source: torch.fx.Node) -> bool:
-    """A reshape of (..., V) into (..., V): row-major, so it only regroups the rows."""
+    """A reshape of (..., V) into (..., V): row-major, so it only regroups the rows. Not ``view(dtype)``,
+    which keeps the shape between same-size dtypes (fp16 <-> bf16) but reinterprets the bits."""
     out, inp = tensor_meta(step), tensor_meta(source)
     return out is not None and inp is not None and out.dim() >= 1 and inp.dim() >= 1 and \
-        out.shape[-1] == inp.shape[-1]
+        out.shape[-1] == inp.shape[-1] and out.dtype == inp.dtype
 
 
 def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
