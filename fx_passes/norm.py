@@ -22,7 +22,8 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   symbolic under dynamic shapes), and either reduced without keepdim then given the dim back
   (``x.mean(-1).unsqueeze(-1)``, ``[..., None]``). A sum over another count (``/ (N - 1)``, another dim's
   size) is another function and no candidate; a number over a symbolic size is reported (it is the size
-  only for the example), and so is a dim given back later than on the mean itself
+  only for the example), and so is a float16 sum (it overflows past 65504 where the mean does not) and a
+  dim given back later than on the mean itself
   (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``: no keepdim);
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
   ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
@@ -443,7 +444,7 @@ def _count_doubt(divisor: object, count, reciprocal: bool) -> tuple[bool, str | 
 def _sum_over_count(node: torch.fx.Node) -> _Mean | None:
     """``s / N``, ``s * (1 / N)`` or ``(1 / N) * s`` where s sums over dims of N elements in all (N a
     number or the size itself, ``x.shape[-1]``): a mean. Any other divisor (N - 1, another dim's size)
-    is another function, not a candidate."""
+    is another function, not a candidate; a float16 sum, which overflows where the mean does not, a doubt."""
     pair = binary_operands(node, "div")
     options = [(pair[0], pair[1], False)] if pair is not None else []
     pair = binary_operands(node, "mul")
@@ -455,6 +456,10 @@ def _sum_over_count(node: torch.fx.Node) -> _Mean | None:
             continue
         count = math.prod(tensor_meta(s.src).shape[d] for d in dims)
         fits, doubt = _count_doubt(divisor, count, reciprocal)
+        t = tensor_meta(summed)
+        if fits and doubt is None and t is not None and t.dtype == torch.float16:
+            doubt = ("the sum is rounded to float16, which overflows past 65504 where the mean does not "
+                     "(ATen's mean accumulates in float32): not the same function")
         if fits:
             return _Mean(node, s.src, s.dim, s.keepdim, s.has_dtype, s.nodes | {node}, doubt)
     return None
