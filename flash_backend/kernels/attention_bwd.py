@@ -6,7 +6,8 @@ afterwards); dQ, one program per BLOCK_M queries, walking the visible key blocks
 P and dP in the dQ kernel (7 matmuls instead of 5) in exchange for no atomics and no fp32 dQ buffer.
 Where that measured slower (use_atomic_dq: dropout at head_dim <= 64) and determinism is not required, the
 dK/dV kernel instead adds each tile's dS K into an fp32 dQ buffer with atomics (ATOMIC_DQ), FA2's way, and
-the dQ kernel is not run.
+the dQ kernel is not run. At head_dim 256 the dK/dV kernel runs twice, once for dV and once for dK (PART,
+SPLIT_DKDV_CONFIGS): one fp32 accumulator per program lets its tiles grow from 32x32 to 64x128.
 When the bias needs a gradient the dK/dV kernel also writes dS (fp32, full (B, H, Sq, Sk)), which is then
 summed over the bias's broadcast dims.
 Dropout regenerates the forward's keep-mask with the same `_dropout_keep` (one Philox call per 8 keys)
@@ -54,8 +55,8 @@ DKDV_BOTH = tl.constexpr(0)
 DV_ONLY = tl.constexpr(1)
 DK_ONLY = tl.constexpr(2)
 # head_dim bucket -> (dV-only config, dK-only config) for the buckets whose dK/dV work is split in two;
-# with dropout the keep tile's registers make 32 x 128 tiles faster (H200, (2,16,4096,256) p=0.1: causal
-# 7.5 -> 5.5 ms, non-causal 10.1 -> 10.5 ms; the joint 32 x 32 kernel took 6.5 / 12.6 ms).
+# with dropout the keep tile's registers favour 32 x 128 tiles (H200, (2,16,4096,256) p=0.1, 64 x 128 ->
+# 32 x 128: causal 7.5 -> 5.5 ms, non-causal 10.1 -> 10.5 ms; the joint 32 x 32 kernel took 6.5 / 12.6 ms).
 SPLIT_DKDV_CONFIGS = {256: ((64, 128, 8, 1), (64, 128, 8, 1))}
 SPLIT_DKDV_DROPOUT_CONFIGS = {256: ((32, 128, 8, 2), (32, 128, 8, 2))}
 
