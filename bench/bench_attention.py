@@ -157,6 +157,8 @@ def run_grid(args):
 
 
 def run_sweep(args):
+    """Kernel configs per head_dim, timed as GPU time (CUDA-graph replay): host-inclusive timing picked a
+    128x128 causal forward tile that graph replay showed 1.05-1.32x slower than 64x64 (NOTES_attention.md)."""
     from flash_backend.kernels import attention_bwd, attention_fwd
 
     fwd_cands = {
@@ -199,7 +201,7 @@ def run_sweep(args):
                     print("sweep: out of time")
                     return
                 try:
-                    ms = bench_ms(functools.partial(attention_fwd.attention_forward_launch, q, k, v, None,
+                    ms = graph_ms(functools.partial(attention_fwd.attention_forward_launch, q, k, v, None,
                                                     None, 0.0, scale, -1, wr, False, out, lse, config=cfg))
                     print(f"SWEEP fwd D={D} causal={causal} cfg={cfg}: {flops / ms / 1e9:.0f} TF/s",
                           flush=True)
@@ -221,7 +223,7 @@ def run_sweep(args):
                     print("sweep: out of time")
                     return
                 try:
-                    ms = bench_ms(functools.partial(
+                    ms = graph_ms(functools.partial(
                         attention_bwd.attention_backward_launch, dout, q, k, v, out, lse, None, None, 0.0,
                         scale, -1, wr, False, dq, dk, dv, None, config=cfg))
                     print(f"SWEEP bwd D={D} causal={causal} dkdv={cfg[0]} dq={cfg[1]}: "
