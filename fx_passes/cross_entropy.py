@@ -231,16 +231,6 @@ _TAIL_STEPS = _RESHAPES | _CASTS | {"transpose", "permute", "movedim", "swapaxes
                                     "unsqueeze", "getitem", "half", "bfloat16", "double"}
 
 
-_SPECIAL_LOG_SOFTMAX = getattr(getattr(torch, "special", None), "log_softmax", None)
-
-
-def _is_log_softmax(node: object) -> bool:
-    """F.log_softmax, torch.log_softmax, Tensor.log_softmax (nn.LogSoftmax is inlined to the first), and
-    torch.special.log_softmax."""
-    return is_op(node, "log_softmax") or isinstance(node, torch.fx.Node) and \
-        node.op == "call_function" and node.target is _SPECIAL_LOG_SOFTMAX
-
-
 def _log_softmax_signature(input, dim, dtype=None):
     """How torch.log_softmax, torch.special.log_softmax and Tensor.log_softmax (self first) bind."""
 
@@ -252,7 +242,7 @@ def _log_softmax_tail(nll: torch.fx.Node) -> list[torch.fx.Node] | None:
     node, tail = arg(nll, 0, "input"), []
     while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
         tail.append(node)
-        if _is_log_softmax(node):
+        if is_op(node, "log_softmax"):  # F, torch, Tensor and torch.special (nn.LogSoftmax: F)
             return tail
         if op_name(node) not in _TAIL_STEPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return None
@@ -322,10 +312,6 @@ def _slower_than_unfused(*inputs) -> bool:
     return on_cuda and not flash_config.cross_entropy_on_cuda
 
 
-def _step_name(node: torch.fx.Node) -> str:
-    return op_name(node) or ("log_softmax" if _is_log_softmax(node) else str(node.target))
-
-
 def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logits_input: torch.fx.Node,
                  tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str) -> None:
     """Rewrite the loss ce, whose cross-entropy arguments (checked) are args and whose logits logits_input
@@ -339,7 +325,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     bias = _linear_bias(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
     logits_node = chain[-1] if added_bias is not None else linear
-    variant = " -> ".join(["F.linear", *(_step_name(n) for n in reversed(chain)), loss_name])
+    variant = " -> ".join(["F.linear", *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
     written = written_before_end({linear, *chain, ce}, ce)
     if written is not None:
         node, writer = written

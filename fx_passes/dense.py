@@ -75,8 +75,6 @@ _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
 _TRANSCENDENTAL = ("tanh", "erf", "erfc")
 _POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "square", *_TRANSCENDENTAL}
-# Names op_name (fx_passes/_match.py) does not give: torch.special's functions go by "special_erf".
-_LOCAL_NAMES = {torch.special.erf: "erf", torch.special.erfc: "erfc"}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 # Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
 # magnitudes up to 1e8 either side, where a stray term too small to show on [-8, 8] (1e-15 * x**5) grows.
@@ -90,17 +88,6 @@ class _Miss(Exception):
 
 def _fused_op():
     return fused_op(_OP_MODULE, "linear_bias_gelu")
-
-
-def _name(node: object) -> str | None:
-    """op_name, plus the torch.special spellings of erf / erfc."""
-    if isinstance(node, torch.fx.Node) and node.op == "call_function":
-        try:
-            if node.target in _LOCAL_NAMES:
-                return _LOCAL_NAMES[node.target]
-        except TypeError:  # unhashable target
-            return None
-    return op_name(node)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,7 +265,7 @@ def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, 
     """The region as a function of h, run in fp64 on x (None if it is not pure pointwise math)."""
     values = {h: x}
     for n in sorted(region, key={m: i for i, m in enumerate(h.graph.nodes)}.get):
-        if _name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
+        if op_name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
             return None
 
         def lookup(a):
@@ -302,7 +289,7 @@ def _match_written_out(h: torch.fx.Node):
         ref = {a: torch.nn.functional.gelu(_GRID, approximate=a) for a in ("none", "tanh")}
     for end in candidates:
         region = _ancestors_within(end, h, allowed)
-        if region is None or sum(_name(n) in _TRANSCENDENTAL for n in region) != 1:
+        if region is None or sum(op_name(n) in _TRANSCENDENTAL for n in region) != 1:
             continue
         if any(u not in region for n in region - {end} for u in n.users):
             continue  # an intermediate feeds something else; h's other users are reported by the caller
@@ -440,14 +427,14 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     try:
         result = fake_call(fn, args, kwargs)
     except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
-        _drop(graph, inserted)
+        erase_unused(graph, inserted)
         reason = str(e).splitlines()[0][:200]
         raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
     want = tensor_meta(end)
     shaped = tensor_meta(linear) if view is not None else want  # the op returns the addmm's 2-d shape
     if not isinstance(result, torch.Tensor) or want is None or shaped is None or result.dtype != want.dtype \
             or tuple(result.shape) != tuple(shaped.shape):
-        _drop(graph, inserted)
+        erase_unused(graph, inserted)
         got = (result.dtype, tuple(result.shape)) if isinstance(result, torch.Tensor) else None
         eager = "has no metadata" if want is None or shaped is None else (want.dtype, tuple(shaped.shape))
         raise _Miss(f"{variant}: the fused op would return {got}, eager {eager}")
@@ -466,13 +453,6 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
 
 def _method(name: str):
     return getattr(torch.Tensor, name)
-
-
-def _drop(graph: torch.fx.Graph, inserted: list[torch.fx.Node]) -> None:
-    """Erase what a failed attempt inserted (the w.t() and the bias sums), latest first."""
-    for node in reversed(inserted):
-        if not node.users:
-            graph.erase_node(node)
 
 
 def rewrite(graph: torch.fx.Graph) -> None:
