@@ -212,8 +212,7 @@ def run_sweep(args):
             dout = torch.randn_like(out)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             bwd_flops = 2.5 * flops
-            default_dkdv = attention_bwd.SPLIT_DKDV_CONFIGS.get(D, attention_bwd.DKDV_CONFIGS[D])
-            base = (default_dkdv, attention_bwd.DQ_CONFIGS[D])
+            base = attention_bwd.default_configs(D, 0.0, False)
             cands = [(c, base[1]) for c in dkdv_cands[D]]
             cands += [(base[0], c) for c in dq_cands[D] if c != base[1]]
             if "bwd" not in args.sweep_modes:

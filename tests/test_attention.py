@@ -587,6 +587,17 @@ def test_atomic_dq_only_where_measured_faster_and_never_when_deterministic():
     assert not use_atomic_dq(128, 0.1, False, False)
 
 
+def test_backward_default_configs_split_head_dim_256_only():
+    from flash_backend.kernels import attention_bwd as bwd
+
+    assert bwd.default_configs(64, 0.1, True) == (bwd.ATOMIC_DKDV_CONFIGS[64], bwd.DQ_CONFIGS[64])
+    assert bwd.default_configs(128, 0.1, False) == (bwd.DKDV_CONFIGS[128], bwd.DQ_CONFIGS[128])
+    assert bwd.default_configs(200, 0.0, False) == (bwd.SPLIT_DKDV_CONFIGS[256], bwd.DQ_CONFIGS[256])
+    assert bwd.default_configs(256, 0.1, False) == (bwd.SPLIT_DKDV_DROPOUT_CONFIGS[256], bwd.DQ_CONFIGS[256])
+    assert all(isinstance(cfg[0], tuple) for cfg in (bwd.SPLIT_DKDV_CONFIGS[256],
+                                                     bwd.SPLIT_DKDV_DROPOUT_CONFIGS[256]))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cuda_dropout_backward_repeats_under_deterministic_mode(deterministic):

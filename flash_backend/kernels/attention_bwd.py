@@ -61,6 +61,15 @@ SPLIT_DKDV_CONFIGS = {256: ((64, 128, 8, 1), (64, 128, 8, 1))}
 SPLIT_DKDV_DROPOUT_CONFIGS = {256: ((32, 128, 8, 2), (32, 128, 8, 2))}
 
 
+def default_configs(head_dim: int, dropout_p: float, atomic_dq: bool):
+    """(dK/dV config, dQ config) the backward runs; the dK/dV config is a (dV, dK) pair where it is split."""
+    bucket = head_dim_bucket(head_dim)
+    if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS:
+        return ATOMIC_DKDV_CONFIGS[bucket], DQ_CONFIGS[bucket]
+    split_table = SPLIT_DKDV_DROPOUT_CONFIGS if dropout_p > 0.0 else SPLIT_DKDV_CONFIGS
+    return split_table.get(bucket, DKDV_CONFIGS[bucket]), DQ_CONFIGS[bucket]
+
+
 def use_atomic_dq(head_dim: int, dropout_p: float, mask_tiles: bool, deterministic: bool) -> bool:
     """Whether the backward accumulates dQ with atomics in the dK/dV kernel (5 matmuls, one kernel, not
     deterministic) rather than running the dQ kernel (7 matmuls, deterministic).
@@ -1013,14 +1022,8 @@ def _launch_backward(
     q_s, k_s, v_s, o_s, do_s, l_s, dq_s, dk_s, dv_s = views
     D = q.shape[-1]
     block_d = max(triton.next_power_of_2(D), 16)
-    bucket = head_dim_bucket(D)
-    if atomic_dq and bucket in ATOMIC_DKDV_CONFIGS:
-        default_dkdv = ATOMIC_DKDV_CONFIGS[bucket]
-    else:
-        split_table = SPLIT_DKDV_DROPOUT_CONFIGS if dropout_p > 0.0 else SPLIT_DKDV_CONFIGS
-        default_dkdv = split_table.get(bucket, DKDV_CONFIGS[bucket])
     # config (sweeps): (dK/dV config, dQ config); a dK/dV config that is a pair of configs means split
-    dkdv_cfg, dq_cfg = config or (default_dkdv, DQ_CONFIGS[bucket])
+    dkdv_cfg, dq_cfg = config or default_configs(D, dropout_p, atomic_dq)
     # plain ints for PART: Inductor writes the launch's constexpr arguments into its generated code
     if isinstance(dkdv_cfg[0], tuple):
         dkdv_parts = [(DV_ONLY.value, dkdv_cfg[0]), (DK_ONLY.value, dkdv_cfg[1])]
