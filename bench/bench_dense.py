@@ -3,6 +3,12 @@ problem) vs eager, Inductor, Inductor
 max-autotune and torch._addmm_activation (forward only), forward and forward+backward, in one run.
 
     python bench/bench_dense.py [--approximate tanh,none] [--autotune-shapes 2] [--autotune-budget-s 240]
+    python bench/bench_dense.py --gelu-passes   # the GELU passes alone, and the backward pass's launch sweep
+
+Two timings per row: `ms`, the call from Python (do_bench), and `graph_ms`, the same step captured in a
+CUDA graph and replayed: the GPU time alone. At K=768 the Python side of every implementation is as long
+as its kernels on the lent H200 host and varies by +-30 % between runs (bench/NOTES_dense.md), so the
+table's ratios are on GPU time, the time a compiled model's graph pays.
 
 Inductor max-autotune compiles for minutes per shape: it runs on the first --autotune-shapes shapes at
 M=16384 (see SHAPES), and stops once --autotune-budget-s is spent; the table says which ran.
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import Results, bench_ms, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, graph_ms, markdown_table  # noqa: E402
 from flash_backend.ops.dense import linear_bias_gelu  # noqa: E402
 
 # (K, N): GPT-2 small, GPT-2 XL, a 4096-wide model; M = tokens per step.
@@ -72,9 +78,9 @@ def _time(fn, x, w, b, grad, train):
         step = lambda: torch.autograd.grad(fn(x, w, b), leaves, grad)
     else:
         step = lambda: fn(x, w, b)
-    step()  # compile / build / autotune outside the timing
+    step()  # compile / build / autotune (and our per-problem forward choice) outside the timing
     torch.cuda.synchronize()
-    return bench_ms(step)
+    return bench_ms(step), graph_ms(step)
 
 
 def profile(m, k, n, approximate="tanh"):
@@ -160,6 +166,59 @@ def forward_paths():
     print(f"wrote {results.write()}")
 
 
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM) candidates of the GELU' + bias-gradient pass.
+GELU_BWD_CANDIDATES = [(16, 256, 4, 4), (8, 256, 4, 8), (32, 256, 8, 4), (16, 512, 8, 4), (32, 128, 4, 4),
+                       (16, 256, 4, 2), (16, 256, 4, 8), (64, 128, 8, 4)]
+
+
+def _gelu_passes_at(results: Results, pre: torch.Tensor, grad: torch.Tensor, approximate: str) -> None:
+    from flash_backend.ops import dense
+
+    m, n = pre.shape
+    case = {"M": m, "N": n, "dtype": "bf16", "approximate": approximate}
+    nbytes = pre.numel() * pre.element_size()
+
+    def reference(g, p):
+        grad_pre = torch.ops.aten.gelu_backward(g, p, approximate=approximate)
+        return grad_pre, grad_pre.sum(0)
+
+    def gelu(p):
+        return F.gelu(p, approximate=approximate)
+
+    torch._dynamo.reset()
+    compiled_bwd, compiled_fwd = torch.compile(reference, dynamic=False), torch.compile(gelu, dynamic=False)
+    bwd = {"aten": lambda: reference(grad, pre), "inductor": lambda: compiled_bwd(grad, pre)}
+    for c in GELU_BWD_CANDIDATES:
+        bwd["flash_" + "x".join(map(str, c))] = (
+            lambda c=c: dense.gelu_backward_dbias(grad, pre, approximate, config=c))
+    fwd = {"aten": lambda: gelu(pre), "inductor": lambda: compiled_fwd(pre),
+           "flash": lambda: dense.gelu_pass(pre, approximate)}
+    line = []
+    for mode, impls, moved in (("bwd", bwd, 3 * nbytes), ("fwd", fwd, 2 * nbytes)):
+        for impl, fn in impls.items():
+            fn()
+            ms = graph_ms(fn)
+            if ms is not None:
+                results.add(impl, mode, case, ms, tbps=moved / ms / 1e9, graph_ms=ms)
+                line.append(f"{mode} {impl} {ms * 1e3:.1f} us ({moved / ms / 1e9:.2f} TB/s)")
+    print(f"M={m} N={n} {approximate}:\n  " + "\n  ".join(line), flush=True)
+
+
+def gelu_passes():
+    """The memory-bound GELU passes alone, GPU time (graph replay) and TB/s on the bytes they must move:
+    the backward (GELU' + bias gradient; reads grad and pre, writes grad_pre) per launch candidate, against
+    aten.gelu_backward + .sum(0) and Inductor's compile of the same; the forward (erf and tanh; reads pre,
+    writes the activation) against aten's F.gelu and Inductor's."""
+    results = Results("dense_gelu_passes")
+    for m, n in [(16384, 3072), (8192, 3072), (16384, 6400), (16384, 16384), (12608, 3072)]:
+        pre = torch.randn(m, n, dtype=DTYPE, device="cuda") * 2
+        grad = torch.randn(m, n, dtype=DTYPE, device="cuda")
+        for approximate in ("none", "tanh"):
+            _gelu_passes_at(results, pre, grad, approximate)
+        results.write()
+    print(f"wrote {results.write()}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--approximate", default="tanh,none")
@@ -168,7 +227,12 @@ def main():
     parser.add_argument("--profile", action="store_true", help="profile fwd+bwd at K=768 first")
     parser.add_argument("--forward-paths", action="store_true",
                         help="only the forward's implementations side by side (dense_forward_paths.json)")
+    parser.add_argument("--gelu-passes", action="store_true",
+                        help="only the GELU passes and the backward's launch sweep (dense_gelu_passes.json)")
     args = parser.parse_args()
+    if args.gelu_passes:
+        gelu_passes()
+        return
     if args.forward_paths:
         forward_paths()
         return
@@ -203,14 +267,17 @@ def main():
                     row = {}
                     for impl in impls:
                         t0 = time.perf_counter()
-                        ms = _time(_make(impl, approximate), x, w, b, grad, train)
+                        ms, gpu_ms = _time(_make(impl, approximate), x, w, b, grad, train)
                         if impl == "inductor_max_autotune":
                             autotune_left -= time.perf_counter() - t0
                         tflops = flops / ms / 1e9
-                        results.add(impl, mode, case, ms, tflops=tflops)
-                        row[impl] = tflops
+                        graph_tflops = flops / gpu_ms / 1e9 if gpu_ms else None
+                        results.add(impl, mode, case, ms, tflops=tflops, graph_ms=gpu_ms,
+                                    graph_tflops=graph_tflops)
+                        row[impl] = graph_tflops or float("nan")
                         print(f"{approximate:4} M={m} K={k} N={n} {mode:7} {impl:22} {ms:8.4f} ms "
-                              f"{tflops:6.1f} TFLOP/s", flush=True)
+                              f"{tflops:6.1f} TFLOP/s  graph {gpu_ms or float('nan'):8.4f} ms "
+                              f"{graph_tflops or float('nan'):6.1f} TFLOP/s", flush=True)
                     others = [v for key, v in row.items() if key != "flash"]
                     table.append([approximate, m, k, n, mode, row["flash"], row["eager"], row["inductor"],
                                   row.get("inductor_max_autotune", "-"), row.get("addmm_activation", "-"),
@@ -228,7 +295,7 @@ def main():
     print(markdown_table(
         ["GELU", "M", "K", "N", "mode", "flash", "eager", "inductor", "max-autotune", "addmm_act",
          "flash/inductor", "flash/best other"], table))
-    print("\n(TFLOP/s, bf16; '-' = not run)")
+    print("\n(GPU time as TFLOP/s, CUDA-graph replay, bf16; '-' = not run)")
 
 
 if __name__ == "__main__":

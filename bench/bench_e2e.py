@@ -37,9 +37,10 @@ CONFIGS = {
     "vit-eager": ("vit", "eager", 64, 224),
 }
 MODES = ("eager", "inductor", "flash")
-# flash with F.scaled_dot_product_attention calls routed to our attention op too (off by default on CUDA:
-# flash_backend/config.py route_sdpa_calls_on_cuda); only differs from "flash" on the *-sdpa configs.
-EXTRA_MODES = ("flash_route_sdpa",)
+# flash_route_sdpa: flash with F.scaled_dot_product_attention calls routed to our attention op too (off by
+# default on CUDA: flash_backend/config.py route_sdpa_calls_on_cuda); only differs from "flash" on the
+# *-sdpa configs. flash_dense: flash with Linear + GELU fused in training graphs too (dense_training_on_cuda).
+EXTRA_MODES = ("flash_route_sdpa", "flash_dense")
 
 
 def _build(model: str, attn: str, batch: int, size: int):
@@ -87,6 +88,7 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     net, inputs, items = _build(model_name, attn, batch, size)
     counters.clear()
     flash_config.route_sdpa_calls_on_cuda = mode == "flash_route_sdpa"
+    flash_config.dense_training_on_cuda = mode == "flash_dense"
     forward = (
         net
         if mode == "eager"

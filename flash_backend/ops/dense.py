@@ -2,16 +2,19 @@
 
 Trade-off. The matmul is cuBLASLt's (csrc/dense_gelu.cpp); what we fuse is the memory-bound work around
 it. Forward, the tanh GELU, the bias add and the store of the pre-activation (kept for backward) run in
-the GEMM's epilogue (GELU_AUX_BIAS): one GEMM, no elementwise pass. Backward, the bias gradient is the
-weight-gradient GEMM's BGRADB epilogue instead of a reduction over the (M, N) gradient; the GELU derivative
-stays one elementwise pass (aten.gelu_backward), because cuBLASLt's DGELU epilogue applies GELU' to the
-GEMM's own output, and a lone Linear+GELU has no GEMM producing the gradient of its output (that GEMM is
-the *next* layer's input gradient: see `cublaslt_linear_dgrad_dgelu_bgrad`, for a future Linear-GELU-Linear).
+the GEMM's epilogue (GELU_AUX_BIAS): one GEMM, no elementwise pass. Backward, the GELU derivative and the
+bias gradient are one Triton pass over the (M, N) gradient (`gelu_backward_dbias`: grad_pre stored, its
+column sums taken while it is in registers), then two plain GEMMs. cuBLASLt's DGELU epilogue cannot do
+that pass: it applies GELU' to the GEMM's own output, and a lone Linear+GELU has no GEMM producing the
+gradient of its output (that GEMM is the *next* layer's input gradient: see
+`cublaslt_linear_dgrad_dgelu_bgrad`, for a future Linear-GELU-Linear). The bias gradient used to come from
+the weight-gradient GEMM's BGRADB epilogue after aten.gelu_backward; that re-read grad_pre and slowed the
+GEMM (bench/NOTES_dense.md), and it stays only for flash::dense_bias_bwd, which has no pass to ride in.
 
 Exact GELU. cuBLASLt's GELU epilogues compute the tanh approximation only (checked on the H200 by
 tests/test_dense.py::test_cublaslt_gelu_epilogue_is_tanh). approximate="none" is therefore never sent
-through them: it takes the BIAS epilogue (which writes the pre-activation) and an erf GELU elementwise;
-backward uses the erf derivative. So the exact model stays exact, at the cost of one elementwise pass.
+through them: it takes the BIAS epilogue (which writes the pre-activation) and an erf GELU pass
+(`gelu_pass`); backward uses the erf derivative. So the exact model stays exact, at the cost of one pass.
 
 Triton path. The forward has a second implementation: a Triton matmul whose epilogue adds the bias,
 computes either GELU (erf too) and stores the activation and the pre-activation
@@ -37,7 +40,9 @@ import triton
 from torch import Tensor
 
 from flash_backend import _cpp_build
+from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_fwd_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
+from flash_backend.ops.add_dropout_norm import _sm_count
 
 log = logging.getLogger("flash_backend")
 
@@ -218,8 +223,62 @@ def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approx
         return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
     pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
     if store_pre:
-        return F.gelu(pre, approximate="none"), pre
-    return torch.ops.aten.gelu_(pre, approximate="none"), x.new_empty(0)
+        return gelu_pass(pre, "none"), pre
+    return gelu_pass(pre, "none", out=pre), x.new_empty(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The GELU passes around a cuBLASLt GEMM (flash_backend/kernels/gelu_kernels.py)
+# --------------------------------------------------------------------------------------------------
+
+GELU_FWD_BLOCK = 2048  # elements per program (8 per thread at 8 warps)
+GELU_FWD_WARPS = 8
+
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM) of the GELU' + bias-gradient pass. The pass is
+# memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in flight, and the grid asks for enough
+# row chunks to fill every SM a few times over while each program walks many rows (fewer partial sums).
+GELU_BWD_CONFIG = (16, 256, 4, 4)
+
+
+def gelu_pass(pre: Tensor, approximate: str, out: Tensor | None = None) -> Tensor:
+    """gelu(pre) for a contiguous CUDA tensor, in one read and one write (out may be pre: in place)."""
+    out = torch.empty_like(pre) if out is None else out
+    numel = pre.numel()
+    if numel:
+        _gelu_fwd_kernel[(triton.cdiv(numel, GELU_FWD_BLOCK),)](
+            pre, out, numel, BLOCK=GELU_FWD_BLOCK, APPROXIMATE_TANH=approximate == "tanh",
+            num_warps=GELU_FWD_WARPS)
+    return out
+
+
+def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
+    """Rows per program of the backward pass: every program gets the same multiple of block_m rows."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+    chunks = max(1, per_sm * sms // col_blocks)
+    return triton.cdiv(triton.cdiv(m, chunks), block_m) * block_m
+
+
+def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_dbias: bool = True,
+                        config: tuple = GELU_BWD_CONFIG) -> tuple[Tensor, Tensor | None]:
+    """(grad_out * gelu'(pre), its column sums or None) for contiguous 2-D (M, N) tensors, in one pass.
+
+    The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed here; they are
+    returned in pre's dtype, as eager's `grad_pre.sum(0)`."""
+    m, n = pre.shape
+    grad_pre = torch.empty_like(pre)
+    if m == 0 or n == 0:
+        return grad_pre, (pre.new_zeros(n) if with_dbias else None)
+    block_m, block_n, warps, per_sm = config
+    block_n = min(block_n, triton.next_power_of_2(n))
+    col_blocks = triton.cdiv(n, block_n)
+    rows_per_program = _row_chunks(pre.device, m, col_blocks, block_m, per_sm)
+    chunks = triton.cdiv(m, rows_per_program)
+    partial = pre.new_empty((chunks, n) if with_dbias else (0,), dtype=torch.float32)
+    _gelu_bwd_dbias_kernel[(chunks, col_blocks)](
+        grad_out, pre, grad_pre, partial, m, n, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
+        APPROXIMATE_TANH=approximate == "tanh", STORE_DBIAS=with_dbias, num_warps=warps)
+    return grad_pre, (partial.sum(0).to(pre.dtype) if with_dbias else None)
 
 
 _forward_choice: dict[tuple, str] = {}
@@ -349,8 +408,9 @@ def _(grad_out, x, weight, pre, approximate):
     if not _cublaslt_ok(x, weight):
         grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
         return tuple(g.contiguous() for g in grads)
-    grad_pre = torch.ops.aten.gelu_backward(_as_2d(grad_out), _as_2d(pre), approximate=approximate)
-    return _cuda_wgrad_bgrad(grad_pre, x, weight.contiguous(), x.shape)
+    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate)
+    grad_x = (grad_pre @ weight).view(x.shape)
+    return grad_x, grad_pre.t() @ _as_2d(x), grad_bias
 
 
 @dense_gelu_bwd.register_fake

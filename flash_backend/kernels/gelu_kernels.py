@@ -1,0 +1,88 @@
+"""The memory-bound GELU passes around a cuBLASLt GEMM, for flash::dense_gelu_* (ops/dense.py).
+
+Backward (`_gelu_bwd_dbias_kernel`). A lone Linear + GELU has no GEMM whose output is the gradient of the
+activation (that GEMM belongs to the next layer), so GELU' cannot ride in a cuBLASLt epilogue. It takes one
+pass over (M, N): grad_pre = grad_out * GELU'(pre), stored, and in the same pass the bias gradient's column
+sums, while grad_pre is still in registers. Before, that was aten.gelu_backward (read 2, write 1) and then
+a BGRADB epilogue on the weight-gradient GEMM that read grad_pre again and slowed the GEMM by 1-30 %
+(bench/NOTES_dense.md), or, in Inductor's graph, a pointwise kernel plus a reduction that re-reads it.
+
+Layout of the pass: program (i, j) owns columns [j * BLOCK_N, (j + 1) * BLOCK_N) of the row chunk
+[i * rows_per_program, (i + 1) * rows_per_program) and walks it BLOCK_M rows at a time, keeping its column
+sums in fp32 registers; it writes them to row i of an fp32 (row chunks, N) buffer that the caller sums
+(a few hundred KB: one small reduction, deterministic, no atomics). The sums are of grad_pre as stored
+(rounded to the output dtype), which is what eager's `grad_pre.sum(0)` sums.
+
+Forward (`_gelu_fwd_kernel`): the exact (erf) GELU of the pre-activation that cuBLASLt's BIAS epilogue
+wrote (its GELU epilogues are tanh only), one read and one write.
+
+Both compute in fp32 and round once to the output dtype, as aten's gelu / gelu_backward do.
+"""
+
+import triton
+import triton.language as tl
+
+from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI, _gelu
+
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+
+
+@triton.jit
+def _gelu_grad(x, APPROXIMATE_TANH: tl.constexpr):
+    """d gelu(x) / dx in fp32, for x in fp32."""
+    if APPROXIMATE_TANH:
+        # gelu(x) = x * s with s = sigmoid(2 y) = 0.5 (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3):
+        # gelu' = s + x * ds/dx = s + 2 x s (1 - s) y'(x), y' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2).
+        s = tl.sigmoid(TWO_SQRT_2_PI * (x + 0.044715 * x * x * x))
+        return s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 0.134145 * x * x)
+    # gelu(x) = x * Phi(x): gelu' = Phi(x) + x * phi(x)
+    return 0.5 * (1.0 + tl.math.erf(x * SQRT_1_2)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _gelu_bwd_dbias_kernel(
+    GRAD_OUT,  # (M, N) gradient of gelu(pre), contiguous
+    PRE,  # (M, N) pre-activation saved by the forward, contiguous
+    GRAD_PRE,  # (M, N) out: grad_out * gelu'(pre), contiguous
+    DBIAS_PARTIAL,  # (cdiv(M, rows_per_program), N) fp32 out: column sums of GRAD_PRE per row chunk
+    M,
+    N,
+    rows_per_program,  # a multiple of BLOCK_M, so the chunks tile the rows exactly
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    APPROXIMATE_TANH: tl.constexpr,
+    STORE_DBIAS: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    column_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first_row = chunk * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, M)
+    for start in range(first_row, last_row, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        in_bounds = (rows < last_row)[:, None] & col_ok[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        grad = tl.load(GRAD_OUT + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        pre = tl.load(PRE + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        grad_pre = (grad * _gelu_grad(pre, APPROXIMATE_TANH)).to(GRAD_PRE.dtype.element_ty)
+        tl.store(GRAD_PRE + offsets, grad_pre, mask=in_bounds)
+        if STORE_DBIAS:
+            column_sums += tl.sum(grad_pre.to(tl.float32), axis=0)  # masked lanes loaded 0: add 0
+    if STORE_DBIAS:
+        tl.store(DBIAS_PARTIAL + chunk.to(tl.int64) * N + cols, column_sums, mask=col_ok)
+
+
+@triton.jit
+def _gelu_fwd_kernel(
+    PRE,  # (numel,) pre-activation, contiguous
+    OUT,  # (numel,) out: gelu(pre)
+    numel,
+    BLOCK: tl.constexpr,
+    APPROXIMATE_TANH: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < numel
+    pre = tl.load(PRE + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, _gelu(pre, APPROXIMATE_TANH).to(OUT.dtype.element_ty), mask=in_bounds)
