@@ -3,7 +3,7 @@ problem) vs eager, Inductor, Inductor
 max-autotune and torch._addmm_activation (forward only), forward and forward+backward, in one run.
 
     python bench/bench_dense.py [--approximate tanh,none] [--autotune-shapes 2] [--autotune-budget-s 240]
-    python bench/bench_dense.py --gelu-passes   # the GELU passes alone, and the backward pass's launch sweep
+    python bench/bench_dense.py --gelu-backward   # GELU's backward pass alone, and its launch sweep
 
 Two timings per row: `ms`, the call from Python (do_bench), and `graph_ms`, the same step captured in a
 CUDA graph and replayed: the GPU time alone. At K=768 the Python side of every implementation is as long
@@ -18,6 +18,7 @@ Writes bench/results/dense.json and prints a markdown table last.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -166,56 +167,61 @@ def forward_paths():
     print(f"wrote {results.write()}")
 
 
-# (BLOCK_M, BLOCK_N, num_warps, programs per SM) candidates of the GELU' + bias-gradient pass.
-GELU_BWD_CANDIDATES = [(16, 256, 4, 4), (8, 256, 4, 8), (32, 256, 8, 4), (16, 512, 8, 4), (32, 128, 4, 4),
-                       (16, 256, 4, 2), (16, 256, 4, 8), (64, 128, 8, 4)]
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages) candidates of the GELU' + bias-gradient pass.
+GELU_BWD_CANDIDATES = [(64, 128, 8, 4, 1), (32, 128, 4, 4, 1), (32, 128, 4, 8, 1), (32, 256, 8, 4, 1),
+                       (16, 256, 4, 8, 1), (64, 256, 8, 2, 1), (128, 64, 8, 4, 1), (64, 64, 4, 8, 1),
+                       (64, 128, 8, 4, 2), (32, 128, 4, 8, 2), (32, 256, 8, 4, 3), (16, 256, 4, 8, 3)]
 
 
-def _gelu_passes_at(results: Results, pre: torch.Tensor, grad: torch.Tensor, approximate: str) -> None:
+def _gelu_backward_at(results: Results, pre: torch.Tensor, grad: torch.Tensor, approximate: str) -> dict:
+    """GPU time (graph replay) of each implementation of grad_pre = grad * GELU'(pre) plus its column sums:
+    {name: ms}."""
     from flash_backend.ops import dense
 
     m, n = pre.shape
     case = {"M": m, "N": n, "dtype": "bf16", "approximate": approximate}
-    nbytes = pre.numel() * pre.element_size()
+    moved = 3 * pre.numel() * pre.element_size()  # read grad and pre, write grad_pre
 
     def reference(g, p):
         grad_pre = torch.ops.aten.gelu_backward(g, p, approximate=approximate)
         return grad_pre, grad_pre.sum(0)
 
-    def gelu(p):
-        return F.gelu(p, approximate=approximate)
-
     torch._dynamo.reset()
-    compiled_bwd, compiled_fwd = torch.compile(reference, dynamic=False), torch.compile(gelu, dynamic=False)
-    bwd = {"aten": lambda: reference(grad, pre), "inductor": lambda: compiled_bwd(grad, pre)}
+    compiled = torch.compile(reference, dynamic=False)
+    impls = {"aten": lambda: reference(grad, pre), "inductor": lambda: compiled(grad, pre)}
     for c in GELU_BWD_CANDIDATES:
-        bwd["flash_" + "x".join(map(str, c))] = (
+        impls["flash_" + "x".join(map(str, c))] = (
             lambda c=c: dense.gelu_backward_dbias(grad, pre, approximate, config=c))
-    fwd = {"aten": lambda: gelu(pre), "inductor": lambda: compiled_fwd(pre),
-           "flash": lambda: dense.gelu_pass(pre, approximate)}
-    line = []
-    for mode, impls, moved in (("bwd", bwd, 3 * nbytes), ("fwd", fwd, 2 * nbytes)):
-        for impl, fn in impls.items():
-            fn()
-            ms = graph_ms(fn)
-            if ms is not None:
-                results.add(impl, mode, case, ms, tbps=moved / ms / 1e9, graph_ms=ms)
-                line.append(f"{mode} {impl} {ms * 1e3:.1f} us ({moved / ms / 1e9:.2f} TB/s)")
-    print(f"M={m} N={n} {approximate}:\n  " + "\n  ".join(line), flush=True)
+    times = {}
+    for impl, fn in impls.items():
+        fn()
+        ms = graph_ms(fn)
+        if ms is not None:
+            times[impl] = ms
+            results.add(impl, "bwd", case, ms, tbps=moved / ms / 1e9, graph_ms=ms)
+    print(f"M={m} N={n} {approximate}: " + ", ".join(
+        f"{impl} {ms * 1e3:.1f} us ({moved / ms / 1e9:.2f} TB/s)" for impl, ms in times.items()), flush=True)
+    return times
 
 
-def gelu_passes():
-    """The memory-bound GELU passes alone, GPU time (graph replay) and TB/s on the bytes they must move:
-    the backward (GELU' + bias gradient; reads grad and pre, writes grad_pre) per launch candidate, against
-    aten.gelu_backward + .sum(0) and Inductor's compile of the same; the forward (erf and tanh; reads pre,
-    writes the activation) against aten's F.gelu and Inductor's."""
-    results = Results("dense_gelu_passes")
+def gelu_backward_sweep():
+    """GELU's backward with the bias gradient alone: each launch candidate of our pass against
+    aten.gelu_backward + .sum(0) and Inductor's compile of the same, GPU time, TB/s on the bytes that must
+    move; last, the candidates ranked by their geometric-mean speed over aten."""
+    results = Results("dense_gelu_backward")
+    ratios: dict[str, list[float]] = {}
     for m, n in [(16384, 3072), (8192, 3072), (16384, 6400), (16384, 16384), (12608, 3072)]:
         pre = torch.randn(m, n, dtype=DTYPE, device="cuda") * 2
         grad = torch.randn(m, n, dtype=DTYPE, device="cuda")
         for approximate in ("none", "tanh"):
-            _gelu_passes_at(results, pre, grad, approximate)
+            times = _gelu_backward_at(results, pre, grad, approximate)
+            for impl, ms in times.items():
+                ratios.setdefault(impl, []).append(times["aten"] / ms)
         results.write()
+    ranked = sorted(ratios, key=lambda impl: -math.prod(ratios[impl]) ** (1 / len(ratios[impl])))
+    for impl in ranked:
+        r = ratios[impl]
+        print(f"RANK {impl:24s} x aten: geomean {math.prod(r) ** (1 / len(r)):.3f}, min {min(r):.3f}")
     print(f"wrote {results.write()}")
 
 
@@ -227,11 +233,11 @@ def main():
     parser.add_argument("--profile", action="store_true", help="profile fwd+bwd at K=768 first")
     parser.add_argument("--forward-paths", action="store_true",
                         help="only the forward's implementations side by side (dense_forward_paths.json)")
-    parser.add_argument("--gelu-passes", action="store_true",
-                        help="only the GELU passes and the backward's launch sweep (dense_gelu_passes.json)")
+    parser.add_argument("--gelu-backward", action="store_true",
+                        help="only GELU's backward pass and its launch sweep (dense_gelu_backward.json)")
     args = parser.parse_args()
-    if args.gelu_passes:
-        gelu_passes()
+    if args.gelu_backward:
+        gelu_backward_sweep()
         return
     if args.forward_paths:
         forward_paths()

@@ -1,28 +1,26 @@
-"""The memory-bound GELU passes around a cuBLASLt GEMM, for flash::dense_gelu_* (ops/dense.py).
+"""GELU's backward with the bias gradient in one pass, for flash::dense_gelu_bwd (ops/dense.py).
 
-Backward (`_gelu_bwd_dbias_kernel`). A lone Linear + GELU has no GEMM whose output is the gradient of the
-activation (that GEMM belongs to the next layer), so GELU' cannot ride in a cuBLASLt epilogue. It takes one
-pass over (M, N): grad_pre = grad_out * GELU'(pre), stored, and in the same pass the bias gradient's column
-sums, while grad_pre is still in registers. Before, that was aten.gelu_backward (read 2, write 1) and then
-a BGRADB epilogue on the weight-gradient GEMM that read grad_pre again and slowed the GEMM by 1-30 %
-(bench/NOTES_dense.md), or, in Inductor's graph, a pointwise kernel plus a reduction that re-reads it.
+A lone Linear + GELU has no GEMM whose output is the gradient of the activation (that GEMM belongs to the
+next layer), so GELU' cannot ride in a cuBLASLt epilogue. It takes one pass over (M, N): grad_pre =
+grad_out * GELU'(pre), stored, and in the same pass the bias gradient's column sums, while grad_pre is
+still in registers. Before, that was aten.gelu_backward (read 2, write 1) and then a BGRADB epilogue on the
+weight-gradient GEMM that read grad_pre again and slowed the GEMM by 1-30 % (bench/NOTES_dense.md), or, in
+Inductor's graph, a pointwise kernel plus a reduction that re-reads it.
 
 Layout of the pass: program (i, j) owns columns [j * BLOCK_N, (j + 1) * BLOCK_N) of the row chunk
-[i * rows_per_program, (i + 1) * rows_per_program) and walks it BLOCK_M rows at a time, keeping its column
-sums in fp32 registers; it writes them to row i of an fp32 (row chunks, N) buffer that the caller sums
-(a few hundred KB: one small reduction, deterministic, no atomics). The sums are of grad_pre as stored
-(rounded to the output dtype), which is what eager's `grad_pre.sum(0)` sums.
+[i * rows_per_program, (i + 1) * rows_per_program) and walks it BLOCK_M rows at a time, adding grad_pre
+into an fp32 [BLOCK_M, BLOCK_N] register tile that is reduced over its rows once, at the end. The column
+sums go to row i of an fp32 (row chunks, N) buffer that the caller sums (a few hundred KB: one small
+reduction, deterministic, no atomics). They are sums of grad_pre as stored (rounded to the output dtype),
+which is what eager's `grad_pre.sum(0)` sums.
 
-Forward (`_gelu_fwd_kernel`): the exact (erf) GELU of the pre-activation that cuBLASLt's BIAS epilogue
-wrote (its GELU epilogues are tanh only), one read and one write.
-
-Both compute in fp32 and round once to the output dtype, as aten's gelu / gelu_backward do.
+GELU' is computed in fp32 and grad_pre rounded once to the output dtype, as aten's gelu_backward does.
 """
 
 import triton
 import triton.language as tl
 
-from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI, _gelu
+from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
@@ -53,36 +51,26 @@ def _gelu_bwd_dbias_kernel(
     BLOCK_N: tl.constexpr,
     APPROXIMATE_TANH: tl.constexpr,
     STORE_DBIAS: tl.constexpr,
+    STAGES: tl.constexpr,  # > 1: Triton pipelines the row loop's loads (cp.async, STAGES - 1 tiles ahead)
 ):
     chunk = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    column_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tile = tl.arange(0, BLOCK_M)[:, None] * N + cols[None, :]  # int32 offsets inside a BLOCK_M-row tile
+    # Column sums accumulate elementwise in a [BLOCK_M, BLOCK_N] tile and are reduced across rows once, at
+    # the end: a row reduction per tile (a shared-memory round trip and a barrier between the loads of
+    # consecutive tiles) measured 1.5-2x slower on the H200.
+    sums = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first_row = chunk * rows_per_program
     last_row = tl.minimum(first_row + rows_per_program, M)
-    for start in range(first_row, last_row, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        in_bounds = (rows < last_row)[:, None] & col_ok[None, :]
-        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        grad = tl.load(GRAD_OUT + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-        pre = tl.load(PRE + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    for start in tl.range(first_row, last_row, BLOCK_M, num_stages=STAGES):
+        in_bounds = ((start + tl.arange(0, BLOCK_M)) < last_row)[:, None] & col_ok[None, :]
+        row0 = tl.cast(start, tl.int64) * N
+        grad = tl.load(GRAD_OUT + row0 + tile, mask=in_bounds, other=0.0).to(tl.float32)
+        pre = tl.load(PRE + row0 + tile, mask=in_bounds, other=0.0).to(tl.float32)
         grad_pre = (grad * _gelu_grad(pre, APPROXIMATE_TANH)).to(GRAD_PRE.dtype.element_ty)
-        tl.store(GRAD_PRE + offsets, grad_pre, mask=in_bounds)
+        tl.store(GRAD_PRE + row0 + tile, grad_pre, mask=in_bounds)
         if STORE_DBIAS:
-            column_sums += tl.sum(grad_pre.to(tl.float32), axis=0)  # masked lanes loaded 0: add 0
+            sums += grad_pre.to(tl.float32)  # masked lanes loaded 0: they add 0
     if STORE_DBIAS:
-        tl.store(DBIAS_PARTIAL + chunk.to(tl.int64) * N + cols, column_sums, mask=col_ok)
-
-
-@triton.jit
-def _gelu_fwd_kernel(
-    PRE,  # (numel,) pre-activation, contiguous
-    OUT,  # (numel,) out: gelu(pre)
-    numel,
-    BLOCK: tl.constexpr,
-    APPROXIMATE_TANH: tl.constexpr,
-):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = offsets < numel
-    pre = tl.load(PRE + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-    tl.store(OUT + offsets, _gelu(pre, APPROXIMATE_TANH).to(OUT.dtype.element_ty), mask=in_bounds)
+        tl.store(DBIAS_PARTIAL + chunk.to(tl.int64) * N + cols, tl.sum(sums, axis=0), mask=col_ok)
