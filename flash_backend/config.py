@@ -1,7 +1,7 @@
 """Switches for rewrites that are correct but measured slower than what the graph would run otherwise.
 
-On CUDA a rewrite pays only where our kernel beats the kernel it replaces. Two do not yet (H200,
-bench/results/*.json), so by default they are left alone and reported as near misses:
+On CUDA a rewrite pays only where our kernel beats the kernel it replaces. Where it does not (H200,
+bench/results/*.json), by default the subgraph is left alone and reported as a near miss:
 
 - ``F.scaled_dot_product_attention`` calls already run a fused kernel (cuDNN on the H200). Our
   flash_attention reaches 0.53-0.95x of cuDNN (attention.json, commit 2f44f6e). Routing every SDPA call
@@ -12,9 +12,12 @@ bench/results/*.json), so by default they are left alone and reported as near mi
   Inductor asks, would run math (fx_passes/attention.py, _sdpa_backend_when_traced); the switch routes
   every call. Hand-written attention is always rewritten: there the alternative is the unfused
   matmul-softmax-matmul (GPT-2 eager attention: 1.28x Inductor).
-- Linear + bias + GELU in a graph that needs its backward: the cuBLASLt-epilogue op's forward+backward
-  measured 0.62-1.35x Inductor, below 1.0x at 9 of 12 shapes (dense.json). Its forward alone measured
-  0.99-1.55x, so inference graphs (compiled under ``torch.no_grad()``/``inference_mode``) are rewritten.
+- Linear + bias + GELU in a graph that needs its backward was the second, until its backward's GELU' and
+  bias gradient became one Triton pass (ops/dense.py). Measured on the H200 at 0150b1a, training steps
+  (bench_e2e.py, the fused op against Inductor's matmul + GELU kernels in the same run): BERT-base
+  32.04 -> 31.53 ms, GPT-2 36.50 -> 36.39 ms; so `dense_training_on_cuda` is now on by default. Before
+  (dense.json at 3c5cd9e: aten's GELU backward, then a BGRADB weight-gradient GEMM) it lost at 9 of 12
+  shapes and was off.
 
 On the CPU the fused ops run their plain-PyTorch reference, where speed is not the point: everything is
 rewritten there, so CI exercises the whole pipeline. Set a switch to True (or its environment
@@ -32,7 +35,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 route_sdpa_calls_on_cuda: bool = _env_flag("FLASH_BACKEND_ROUTE_SDPA", False)
-dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", False)
+dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
 # F.cross_entropy over a Linear's logits (fx_passes/cross_entropy.py). On by default because it measured
 # faster on the H200: the head alone 1.03-1.37x Inductor forward+backward (cross_entropy.json, 89d71bf),
 # BERT-base's training step 1.07x -> 1.12x Inductor (e2e.json, 5310b0c).

@@ -364,7 +364,7 @@ def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _slower_than_unfused(*inputs) -> bool:
-    """A CUDA graph that will need the backward: the fused op loses there today (config.py says why)."""
+    """A CUDA graph that will need the backward, with the switch for fusing those off (config.py)."""
     metas = [tensor_meta(t) for t in inputs if t is not None]
     on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
     needs_backward = torch.is_grad_enabled() and any(m is not None and m.requires_grad for m in metas)
@@ -412,9 +412,8 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
                     "ends; not fused")
     biases = [b for b in (bias, *(b for _, b in added)) if b is not None]
     if _slower_than_unfused(x, weight, mat2, *biases):
-        raise _Miss(f"{variant}: a training graph on CUDA, where the fused op's forward+backward measured "
-                    "slower than Inductor (see flash_backend/config.py; set dense_training_on_cuda=True "
-                    "to fuse it)")
+        raise _Miss(f"{variant}: a training graph on CUDA, and dense_training_on_cuda is off "
+                    "(flash_backend/config.py; set it True or FLASH_BACKEND_DENSE_TRAINING=1 to fuse it)")
     inserted = []
     if mat2 is not None:
         weight = insert_call(graph, torch.t, (mat2,), like=linear)

@@ -316,9 +316,9 @@ def _gelu_pass_errors(grad, pre, approximate, config):
                    (eager[name].double() - exact[name]).abs().max().item()) for name in exact}
 
 
-# (BLOCK_M, BLOCK_N, num_warps, programs per SM, stages): small tiles so that odd shapes take ragged row
-# chunks, ragged column blocks and several chunks per column.
-_SMALL_GELU_CONFIGS = [(4, 16, 1, 1, 1), (2, 8, 1, 3, 2)]
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM, stages, polynomial CDF): small tiles so that odd shapes take
+# ragged row chunks, ragged column blocks and several chunks per column.
+_SMALL_GELU_CONFIGS = [(4, 16, 1, 1, 1, False), (2, 8, 1, 3, 2, True)]
 
 
 @pytest.mark.interpret
@@ -349,7 +349,8 @@ def test_cuda_gelu_backward_pass(approximate, dtype, shape):
     pre = torch.randn(shape, dtype=dtype, device="cuda") * 3
     grad = torch.randn(shape, dtype=dtype, device="cuda")
     floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    for config in (dense.GELU_BWD_CONFIG, *_SMALL_GELU_CONFIGS, (32, 256, 8, 8, 2)):
+    for config in (dense.GELU_BWD_CONFIG, *_SMALL_GELU_CONFIGS, (32, 256, 8, 8, 2, True),
+                   (32, 256, 8, 8, 2, False)):
         for name, (ours, eager) in _gelu_pass_errors(grad, pre, approximate, config).items():
             # the bias gradient sums M rounded values: its error grows with sqrt(M) in either order
             bound = 2 * eager + floor * (shape[0] ** 0.5 if name == "grad_bias" else 1.0)

@@ -266,14 +266,25 @@ def _linear_gelu_graph_on_fake_cuda(requires_grad: bool):
     return graph, gelu
 
 
-def test_dense_training_graph_on_cuda_is_left_to_inductor_by_default():
-    """fwd+bwd of the fused op measured slower than Inductor: a reported near miss, not a rewrite."""
+# Fusing needs the real CUDA autograd machinery even on fake tensors (a CPU-only torch aborts there).
+@pytest.mark.parametrize("switch", [pytest.param(True, marks=pytest.mark.cuda), False],
+                         ids=["switch_on", "switch_off"])
+def test_dense_training_graph_on_cuda_follows_the_switch(monkeypatch, switch):
+    """A CUDA training graph is fused while dense_training_on_cuda is on (the default since the fused
+    backward measured faster, config.py); switched off, it is a reported near miss that names the switch."""
+    from flash_backend import config as flash_config
     from fx_passes import dense as dense_pass
     from fx_passes._report import collecting
 
+    assert flash_config.dense_training_on_cuda == flash_config._env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
+    monkeypatch.setattr(flash_config, "dense_training_on_cuda", switch)
     graph, gelu = _linear_gelu_graph_on_fake_cuda(requires_grad=True)
     with collecting() as report:
         dense_pass.rewrite(graph)
+    if switch:
+        assert gelu not in graph.nodes
+        assert counters["flash"]["dense"] == 1 and counters["flash"]["dense_skipped"] == 0, str(report)
+        return
     assert gelu in graph.nodes
     assert counters["flash"]["dense"] == 0 and counters["flash"]["dense_skipped"] == 1
     assert "dense_training_on_cuda" in report.near_misses[0].detail

@@ -232,10 +232,13 @@ def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approx
 # The GELU backward pass (flash_backend/kernels/gelu_kernels.py)
 # --------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages) of the GELU' + bias-gradient pass. The pass
-# is memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in flight, and the grid asks for enough
-# row chunks to fill every SM a few times over while each program walks many rows (fewer partial sums).
-GELU_BWD_CONFIG = (64, 128, 8, 4, 1)
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages, erf GELU's CDF by polynomial) of the GELU' +
+# bias-gradient pass. The pass is memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in flight
+# (times the stages), and the grid asks for enough row chunks to fill every SM a few times over while each
+# program walks many rows (fewer partial sums). H200 sweep over 5 (M, N) and both GELUs
+# (bench_dense.py --gelu-backward, bench/logs/dense_gelu_backward_h200.log): 16x256, 4 warps, 8 per SM,
+# 3 stages was 1.14x aten.gelu_backward + sum(0) in geometric mean, 1.05x at worst.
+GELU_BWD_CONFIG = (16, 256, 4, 8, 3, False)
 
 
 def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
@@ -253,7 +256,7 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed here; they are
     returned in pre's dtype, as eager's `grad_pre.sum(0)`."""
     m, n = pre.shape
-    block_m, block_n, warps, per_sm, stages = config
+    block_m, block_n, warps, per_sm, stages, poly_cdf = config
     block_n = min(block_n, triton.next_power_of_2(n))
     if block_m * n >= 2**31:  # the kernel's in-tile offsets are int32
         grad_pre = torch.ops.aten.gelu_backward(grad_out, pre, approximate=approximate)
@@ -267,7 +270,8 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     partial = pre.new_empty((chunks, n) if with_dbias else (0,), dtype=torch.float32)
     _gelu_bwd_dbias_kernel[(chunks, col_blocks)](
         grad_out, pre, grad_pre, partial, m, n, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
-        APPROXIMATE_TANH=approximate == "tanh", STORE_DBIAS=with_dbias, STAGES=stages, num_warps=warps)
+        APPROXIMATE_TANH=approximate == "tanh", STORE_DBIAS=with_dbias, STAGES=stages,
+        POLY_CDF=poly_cdf, num_warps=warps)
     return grad_pre, (partial.sum(0).to(pre.dtype) if with_dbias else None)
 
 
