@@ -235,10 +235,10 @@ def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approx
 # (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages, erf GELU's CDF by polynomial) of the GELU' +
 # bias-gradient pass. The pass is memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in flight
 # (times the stages), and the grid asks for enough row chunks to fill every SM a few times over while each
-# program walks many rows (fewer partial sums). H200 sweep over 5 (M, N) and both GELUs
-# (bench_dense.py --gelu-backward, bench/logs/dense_gelu_backward_h200.log): 16x256, 4 warps, 8 per SM,
-# 3 stages was 1.14x aten.gelu_backward + sum(0) in geometric mean, 1.05x at worst.
-GELU_BWD_CONFIG = (16, 256, 4, 8, 3, False)
+# program walks many rows (fewer partial sums). H200 sweep over 5 (M, N) and both GELUs (bench_dense.py
+# --gelu-backward, bench/logs/dense_gelu_backward_h200.log): 32x128, 4 warps, 8 per SM, 2 stages, erf's
+# CDF by polynomial: 1.23x aten.gelu_backward + sum(0) in geometric mean, 1.17x at worst (2.4-3.6 TB/s).
+GELU_BWD_CONFIG = (32, 128, 4, 8, 2, True)
 
 
 def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
@@ -284,9 +284,15 @@ def forward_path_choices() -> dict[tuple, str]:
     return dict(_forward_choice)
 
 
-def _time_ms(fn, reps: int = 3) -> float:
+def _time_ms(fn, reps: int = 10) -> float:
+    """GPU milliseconds per call of fn. The timed calls are queued behind a ~1 ms sleep kernel, so the events
+    bracket GPU work alone: timed back to back from Python, a ~70 us GEMM measured its launch overhead, and
+    the H200 run at 0150b1a kept the slower Triton forward at M=8192, K=768, N=3072 (435 against cuBLASLt's
+    ~560 TFLOP/s in bench_dense.py at e5b311c)."""
     fn()  # warm-up (and, for Triton, the compile)
+    torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU clock cycles: the host queues the reps meanwhile
     start.record()
     for _ in range(reps):
         fn()
