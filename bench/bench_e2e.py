@@ -37,10 +37,11 @@ CONFIGS = {
     "vit-eager": ("vit", "eager", 64, 224),
 }
 MODES = ("eager", "inductor", "flash")
-# flash_route_sdpa: flash with F.scaled_dot_product_attention calls routed to our attention op too (off by
-# default on CUDA: flash_backend/config.py route_sdpa_calls_on_cuda); only differs from "flash" on the
-# *-sdpa configs. flash_dense: flash with Linear + GELU fused in training graphs too (dense_training_on_cuda).
-EXTRA_MODES = ("flash_route_sdpa", "flash_dense")
+# "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes flip one:
+# flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs from
+# "flash" on the *-sdpa configs); flash_no_dense leaves Linear + GELU in training graphs to Inductor.
+EXTRA_MODES = ("flash_route_sdpa", "flash_no_dense")
+_SWITCHES: dict[str, bool] = {}  # config.py's switches as the process started, before any mode flips one
 
 
 def _build(model: str, attn: str, batch: int, size: int):
@@ -78,6 +79,10 @@ def _build(model: str, attn: str, batch: int, size: int):
 
 def _run_mode(config: str, mode: str, results: Results, table: list):
     from flash_backend import config as flash_config
+
+    if not _SWITCHES:
+        _SWITCHES.update(route_sdpa_calls_on_cuda=flash_config.route_sdpa_calls_on_cuda,
+                         dense_training_on_cuda=flash_config.dense_training_on_cuda)
     from flash_backend.backend import flash_backend as flash_backend_fn
     from fx_passes._compat import counters
 
@@ -87,8 +92,9 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     torch.cuda.empty_cache()
     net, inputs, items = _build(model_name, attn, batch, size)
     counters.clear()
-    flash_config.route_sdpa_calls_on_cuda = mode == "flash_route_sdpa"
-    flash_config.dense_training_on_cuda = mode == "flash_dense"
+    flash_config.route_sdpa_calls_on_cuda = (_SWITCHES["route_sdpa_calls_on_cuda"]
+                                             or mode == "flash_route_sdpa")
+    flash_config.dense_training_on_cuda = _SWITCHES["dense_training_on_cuda"] and mode != "flash_no_dense"
     forward = (
         net
         if mode == "eager"
