@@ -37,10 +37,10 @@ CONFIGS = {
     "vit-eager": ("vit", "eager", 64, 224),
 }
 MODES = ("eager", "inductor", "flash")
-# "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes flip one:
-# flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs from
-# "flash" on the *-sdpa configs); flash_no_dense leaves Linear + GELU in training graphs to Inductor.
-EXTRA_MODES = ("flash_route_sdpa", "flash_no_dense")
+# "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes turn one
+# on: flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs
+# from "flash" on the *-sdpa configs); flash_dense fuses Linear + GELU in training graphs too.
+EXTRA_MODES = ("flash_route_sdpa", "flash_dense")
 _SWITCHES: dict[str, bool] = {}  # config.py's switches as the process started, before any mode flips one
 
 
@@ -94,7 +94,7 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     counters.clear()
     flash_config.route_sdpa_calls_on_cuda = (_SWITCHES["route_sdpa_calls_on_cuda"]
                                              or mode == "flash_route_sdpa")
-    flash_config.dense_training_on_cuda = _SWITCHES["dense_training_on_cuda"] and mode != "flash_no_dense"
+    flash_config.dense_training_on_cuda = _SWITCHES["dense_training_on_cuda"] or mode == "flash_dense"
     forward = (
         net
         if mode == "eager"
