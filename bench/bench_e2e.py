@@ -14,6 +14,7 @@ as they come) and prints a markdown table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -40,8 +41,25 @@ MODES = ("eager", "inductor", "flash")
 # "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes turn one
 # on: flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs
 # from "flash" on the *-sdpa configs); flash_dense fuses Linear + GELU in training graphs too.
-EXTRA_MODES = ("flash_route_sdpa", "flash_dense")
-_SWITCHES: dict[str, bool] = {}  # config.py's switches as the process started, before any mode flips one
+_EXTRA_MODE_SWITCHES = {"flash_route_sdpa": "route_sdpa_calls_on_cuda",
+                        "flash_dense": "dense_training_on_cuda"}
+EXTRA_MODES = tuple(_EXTRA_MODE_SWITCHES)
+
+
+@contextlib.contextmanager
+def _switch_for(mode: str):
+    """config.py's switch of an extra mode turned on for that mode's run, and restored after it."""
+    from flash_backend import config as flash_config
+
+    name = _EXTRA_MODE_SWITCHES.get(mode)
+    saved = getattr(flash_config, name) if name else None
+    if name:
+        setattr(flash_config, name, True)
+    try:
+        yield
+    finally:
+        if name:
+            setattr(flash_config, name, saved)
 
 
 def _build(model: str, attn: str, batch: int, size: int):
@@ -78,11 +96,6 @@ def _build(model: str, attn: str, batch: int, size: int):
 
 
 def _run_mode(config: str, mode: str, results: Results, table: list):
-    from flash_backend import config as flash_config
-
-    if not _SWITCHES:
-        _SWITCHES.update(route_sdpa_calls_on_cuda=flash_config.route_sdpa_calls_on_cuda,
-                         dense_training_on_cuda=flash_config.dense_training_on_cuda)
     from flash_backend.backend import flash_backend as flash_backend_fn
     from fx_passes._compat import counters
 
@@ -92,9 +105,6 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
     torch.cuda.empty_cache()
     net, inputs, items = _build(model_name, attn, batch, size)
     counters.clear()
-    flash_config.route_sdpa_calls_on_cuda = (_SWITCHES["route_sdpa_calls_on_cuda"]
-                                             or mode == "flash_route_sdpa")
-    flash_config.dense_training_on_cuda = _SWITCHES["dense_training_on_cuda"] or mode == "flash_dense"
     forward = (
         net
         if mode == "eager"
@@ -186,7 +196,8 @@ def main():
             if mode == "flash_route_sdpa" and not config.endswith("-sdpa"):
                 continue  # no SDPA call to route: the same graph as "flash"
             try:
-                _run_mode(config, mode, results, table)
+                with _switch_for(mode):
+                    _run_mode(config, mode, results, table)
             except Exception as e:  # noqa: BLE001 - one failing mode must not cost the others' numbers
                 msg = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
                 print(f"{config:11s} {mode:9s} FAILED {msg[:300]}", flush=True)

@@ -300,7 +300,7 @@ def test_cuda_forward_path_is_measured_and_kept():
 # ---------------------------------------------------------------------------- the GELU passes
 
 
-def _gelu_pass_errors(grad, pre, approximate, config):
+def _gelu_backward_errors(grad, pre, approximate, config):
     """{output: (our max error, eager's max error)} against fp64, for the GELU' + bias-gradient pass; eager is
     aten in pre's dtype (gelu_backward, then .sum(0) of its result)."""
     exact_grad_pre = torch.ops.aten.gelu_backward(grad.double(), pre.double(), approximate=approximate)
@@ -331,7 +331,7 @@ def test_interpret_gelu_backward_pass(interpreter, approximate, shape):
     pre = torch.randn(shape) * 3  # out to where GELU' bends and saturates
     grad = torch.randn(shape)
     for config in _SMALL_GELU_CONFIGS:
-        for name, (ours, eager) in _gelu_pass_errors(grad, pre, approximate, config).items():
+        for name, (ours, eager) in _gelu_backward_errors(grad, pre, approximate, config).items():
             assert ours <= 2 * eager + 1e-5, (config, name, ours, eager)
 
 
@@ -351,7 +351,7 @@ def test_cuda_gelu_backward_pass(approximate, dtype, shape):
     floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
     for config in (dense.GELU_BWD_CONFIG, *_SMALL_GELU_CONFIGS, (32, 256, 8, 8, 2, True),
                    (32, 256, 8, 8, 2, False)):
-        for name, (ours, eager) in _gelu_pass_errors(grad, pre, approximate, config).items():
+        for name, (ours, eager) in _gelu_backward_errors(grad, pre, approximate, config).items():
             # the bias gradient sums M rounded values: its error grows with sqrt(M) in either order
             bound = 2 * eager + floor * (shape[0] ** 0.5 if name == "grad_bias" else 1.0)
             assert ours <= bound, (config, name, ours, eager)

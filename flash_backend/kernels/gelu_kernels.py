@@ -22,7 +22,6 @@ import triton.language as tl
 
 from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI
 
-SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 
 
@@ -31,9 +30,10 @@ def _gelu_grad(x, APPROXIMATE_TANH: tl.constexpr, POLY_CDF: tl.constexpr):
     """d gelu(x) / dx in fp32, for x in fp32."""
     if APPROXIMATE_TANH:
         # gelu(x) = x * s with s = sigmoid(2 y) = 0.5 (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3):
-        # gelu' = s + x * ds/dx = s + 2 x s (1 - s) y'(x), y' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2).
+        # gelu' = s + x * ds/dx = s + 2 x s (1 - s) y'(x), y' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2): the 2
+        # and sqrt(2 / pi) make the forward's TWO_SQRT_2_PI.
         s = tl.sigmoid(TWO_SQRT_2_PI * (x + 0.044715 * x * x * x))
-        return s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 0.134145 * x * x)
+        return s + x * s * (1.0 - s) * TWO_SQRT_2_PI * (1.0 + 0.134145 * x * x)
     # gelu(x) = x * Phi(x): gelu' = Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
     gauss = tl.exp(-0.5 * x * x)
     if POLY_CDF:
