@@ -67,7 +67,8 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
                                    upcast: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(logits (M, V), per-row loss (M,) fp32, logsumexp (M,) fp32) for x (M, K), weight (V, K), target (M,).
 
-    The logits are in x's dtype (fp32 with `upcast`); the loss is computed from them in fp32.
+    The logits are in x's dtype (fp32 with `upcast`); the loss is computed from them in fp32. An ignored
+    row has loss 0 and logsumexp 0: nothing reads it (its gradient is 0), so the kernel skips its logits.
     """
     if upcast:
         x, weight = x.float(), weight.float()
@@ -85,7 +86,7 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
     loss = lse - (1.0 - label_smoothing) * target_logit
     if label_smoothing:
         loss = loss - label_smoothing * z.mean(-1)
-    return logits, torch.where(ignored, 0.0, loss), lse
+    return logits, torch.where(ignored, 0.0, loss), torch.where(ignored, 0.0, lse)
 
 
 def _grad_logits_reference(grad_loss: Tensor, grad_logits: Tensor | None, logits: Tensor, lse: Tensor,
