@@ -354,6 +354,76 @@ def run_atomic_dq(args):
         torch.cuda.empty_cache()
 
 
+# (B, H, S, D, shortest live length / S, mask layout): the padding-mask A/B of run_mask_switches.
+# BERT's e2e step pads each sequence to between S/2 and S; the grid's padding row to between 3S/4 and S.
+MASK_SWITCH_ROWS = [
+    (32, 12, 512, 64, 0.5, "padding"),
+    (8, 16, 2048, 64, 0.75, "padding"),
+    (8, 16, 2048, 64, 0.75, "tile"),
+]
+# (NARROW_PADDING_KEYS, PREFETCH_MASK_ROWS, PREFETCH_MASK_TILES) of attention_fwd: the first is the baseline.
+MASK_SWITCH_COMBOS = [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
+
+
+def _switch_mask(B, S, shortest, layout, kind):
+    """A right-padding mask: (B, 1, 1, S) rows, or the same padding as a full (B, 1, S, S) tile with a
+    random 10 % of the live keys masked too (a mask that varies over queries)."""
+    lens = torch.randint(int(S * shortest), S + 1, (B,), device="cuda")
+    live = torch.arange(S, device="cuda")[None, :] < lens[:, None]
+    live = live[:, None, None, :]
+    if layout == "tile":
+        live = live & (torch.rand(B, 1, S, S, device="cuda") > 0.1)
+    if kind == "bool":
+        return live
+    return torch.zeros(live.shape, device="cuda", dtype=DT).masked_fill(~live, float("-inf"))
+
+
+def run_mask_switches(args):
+    """GPU time (CUDA-graph replay) of the forward and backward launchers under each combination of the
+    padding-mask switches of attention_fwd (key-range narrowing, mask prefetch), bool and additive masks,
+    with and without dropout; every combination must give bitwise the baseline's outputs and gradients."""
+    from flash_backend.kernels import attention_bwd, attention_fwd
+
+    print(f"env {env_info()}", flush=True)
+    switches = ("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES")
+    saved = [getattr(attention_fwd, n) for n in switches]
+    try:
+        for B, H, S, D, shortest, layout in MASK_SWITCH_ROWS:
+            q, k, v = (t.detach() for t in _inputs(B, H, H, S, D, None)[:3])
+            dout = torch.randn_like(q)
+            for kind in ("bool", "additive"):
+                mask = _switch_mask(B, S, shortest, layout, kind)
+                for p in (0.0, 0.1):
+                    seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
+                    fwd_args = (mask, seed, p, D ** -0.5, -1, -1, False)
+                    out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+                    grads = [torch.empty_like(t) for t in (q, k, v)]
+                    fwd = functools.partial(attention_fwd.attention_forward_launch, q, k, v, *fwd_args, out,
+                                            lse)
+                    bwd = functools.partial(attention_bwd.attention_backward_launch, dout, q, k, v, out, lse,
+                                            *fwd_args, *grads, None)
+                    base = None
+                    for combo in MASK_SWITCH_COMBOS:
+                        for name, value in zip(switches, combo, strict=True):
+                            setattr(attention_fwd, name, value)
+                        fwd()
+                        bwd()
+                        got = [out.clone(), lse.clone(), *(g.clone() for g in grads)]
+                        same = "baseline" if base is None else (
+                            "bitwise same" if all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+                            else "DIFFERS")
+                        base = base if base is not None else got
+                        fwd_us, bwd_us = graph_ms(fwd) * 1e3, graph_ms(bwd) * 1e3
+                        print(f"MASKSW {B},{H},{S},{D} {layout} {kind} p={p} narrow={combo[0]:d} "
+                              f"prefetch_rows={combo[1]:d} prefetch_tiles={combo[2]:d}: fwd {fwd_us:.1f} us "
+                              f"bwd {bwd_us:.1f} us ({same})", flush=True)
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    finally:
+        for name, value in zip(switches, saved, strict=True):
+            setattr(attention_fwd, name, value)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
@@ -365,8 +435,12 @@ def main():
     p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")
     p.add_argument("--dropout", action="store_true", help="attention dropout p=0.1 against SDPA's backends")
     p.add_argument("--atomic-dq", action="store_true", help="backward: dQ kernel vs atomic dQ, GPU time")
+    p.add_argument("--mask-switches", action="store_true",
+                   help="padding-mask switches of attention_fwd (narrowing, prefetch), GPU time")
     args = p.parse_args()
-    if args.overhead:
+    if args.mask_switches:
+        run_mask_switches(args)
+    elif args.overhead:
         run_overhead(args)
     elif args.atomic_dq:
         run_atomic_dq(args)

@@ -354,6 +354,75 @@ def test_kernels_under_interpreter(interpreter, case, variant):
             torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
 
 
+@pytest.mark.interpret
+def test_mask_key_ranges_under_interpreter(interpreter):
+    """The live key range of each mask row: first live key, last live key + 1; (0, 0) for a row with none.
+    A key is dead when the kernels' _apply_mask makes its score -inf: False, -inf, or a finfo.min that
+    overflows once scaled to base 2 in fp32 (bf16's, fp32's); fp16's finfo.min and other finite values
+    stay live (a row of them is a plain softmax)."""
+    from flash_backend.kernels.attention_fwd import _mask_args, mask_key_ranges
+    from torch.library import wrap_triton
+
+    Sk = 70
+    live = torch.zeros(4, Sk, dtype=torch.bool)
+    live[0, :33] = True
+    live[1, 40:] = True
+    live[2, 5] = True
+    live[2, 64] = True  # a hole of dead keys inside the range does not narrow it
+    expected = torch.tensor([[0, 33], [40, Sk], [5, 65], [0, 0]], dtype=torch.int32)
+    masks = [live]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dead in (float("-inf"), torch.finfo(dtype).min):
+            masks.append(torch.randn(4, Sk).to(dtype).masked_fill(~live, dead))
+    for mask in masks:
+        mask4 = mask.view(4, 1, 1, Sk)
+        _, strides, _, is_bool = _mask_args(mask4, None)
+        ranges, range_strides = mask_key_ranges(mask4, strides, Sk, is_bool, wrap_triton)
+        assert range_strides == (2, 0)
+        fp16_min = mask.dtype == torch.float16 and mask.min() == torch.finfo(torch.float16).min
+        if fp16_min:  # finite in base 2: every key live
+            assert ranges.tolist() == [[0, Sk]] * 4
+        else:
+            assert torch.equal(ranges, expected), (mask.dtype, ranges)
+    # broadcast over batch, one row per head
+    mask = torch.zeros(1, 3, 1, Sk).masked_fill(~live[:3].view(1, 3, 1, Sk), float("-inf"))
+    ranges, range_strides = mask_key_ranges(mask, _mask_args(mask, None)[1], Sk, False, wrap_triton)
+    assert range_strides == (0, 2) and torch.equal(ranges, expected[:3])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("layout", ["padding", "tile"])
+def test_mask_speed_switches_change_nothing_under_interpreter(interpreter, monkeypatch, layout):
+    """Key-range narrowing and mask prefetch (attention_fwd's switches) give bitwise the same forward and
+    gradients as neither, with padding rows (whole dead key blocks at either end) and full mask tiles."""
+    from flash_backend.kernels import attention_fwd
+    from flash_backend.kernels.attention_bwd import attention_backward_launch
+
+    B, H, Sq, Sk, D = 4, 2, 37, 100, 32
+    q, k, v = _qkv(B, H, H, Sq, Sk, D, dtype=torch.float16)
+    mask = _padding_mask("additive", B, Sk)
+    if layout == "tile":
+        mask = mask.expand(B, 1, Sq, Sk).clone()
+        mask[:, :, 5, 40:] = float("-inf")
+    dout = torch.randn_like(q)
+    results = []
+    for combo in [(False, False, False), (True, True, True), (True, False, False), (False, True, True)]:
+        for name, value in zip(("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES"), combo):
+            monkeypatch.setattr(attention_fwd, name, value)
+        args = (mask, None, 0.0, 0.3, -1, -1, False)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+        attention_fwd.attention_forward_launch(q, k, v, *args, out, lse, config=(32, 32, 4, 2))
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        attention_backward_launch(dout, q, k, v, out, lse, *args, *grads, None,
+                                  config=((16, 32, 4, 2), (32, 32, 4, 2)), atomic_dq=False)
+        results.append([out, lse, *grads])
+    ref_out, _ = attention_reference(q, k, v, mask, None, 0.0, 0.3)
+    torch.testing.assert_close(results[0][0], ref_out, atol=2e-3, rtol=0)
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a, b)
+
+
 def _kernel_dropout_masks(B, Hq, Hkv, Sq, Sk, D, p, device, fwd_config=None, bwd_config=None,
                           atomic_dq=False):
     """The keep-masks the three kernels apply (forward, dK/dV, dQ), read back through probe inputs, and the

@@ -31,10 +31,15 @@ from flash_backend.kernels.attention_fwd import (
     LOG2E,
     _apply_mask,
     _dropout_keep,
+    _live_keys,
     _mask_args,
+    _narrow_to_live_keys,
+    _prefetch_mask,
     _visible,
     head_dim_bucket,
     mask_is_query_broadcast,
+    mask_key_ranges,
+    mask_speed_flags,
 )
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
@@ -146,16 +151,14 @@ def _add_dq_part(dqa_ptrs, dqa_mask, dq_part, MASK_DQ: tl.constexpr):
 
 @triton.jit
 def _key_block_mask(mask_row, stride_mn, offs_n, seqlen_k, MASK_IS_BOOL: tl.constexpr):
-    """The keys offs_n of a query-broadcast mask row (for _apply_mask), and 1 when any of them is live (not
-    False / -inf), else 0."""
+    """The keys offs_n of a query-broadcast mask row (for _apply_mask), and 1 when any of them is live
+    (attention_fwd._live_keys), else 0."""
     in_seq = offs_n < seqlen_k
     m = tl.load(mask_row + offs_n * stride_mn, mask=in_seq, other=0)
+    live = _live_keys(m, MASK_IS_BOOL) & in_seq
     if MASK_IS_BOOL:
         # once per block: applying the raw loaded row in every tile spilled more (sm_90 ptxas: 144 -> 240 B)
-        m = (m != 0) & in_seq
-        live = m
-    else:
-        live = (m.to(tl.float32) != float("-inf")) & in_seq
+        m = live
     return m, tl.max(live.to(tl.int32), 0)
 
 
@@ -738,9 +741,17 @@ def _dq_inner(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_MASK: tl.constexpr = False,
 ):
+    # the next block's mask loaded one iteration ahead, as in attention_fwd._attention_fwd_inner
+    PREFETCH: tl.constexpr = HAS_MASK and PREFETCH_MASK and not BOUNDARY
+    if PREFETCH:
+        bias_next = _prefetch_mask(mask_ptrs, lo, hi, stride_mn, offs_n)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + offs_n
+        if PREFETCH:
+            bias = bias_next
+            bias_next = _prefetch_mask(mask_ptrs, start_n + BLOCK_N, hi, stride_mn, offs_n)
         if BOUNDARY or HEAD_DIM != BLOCK_D:
             kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
             k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
@@ -752,7 +763,7 @@ def _dq_inner(
         if HAS_MASK:
             if BOUNDARY:
                 bias = tl.load(mask_ptrs + start_n * stride_mn, mask=cols[None, :] < seqlen_k, other=0)
-            else:
+            elif not PREFETCH:
                 bias = tl.load(mask_ptrs + start_n * stride_mn)
             qk = _apply_mask(qk, bias, MASK_IS_BOOL)
         if BOUNDARY:
@@ -777,6 +788,7 @@ def _dq_blocks(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREFETCH_MASK: tl.constexpr = False,
 ):
     """All key blocks of a query block, as attention_fwd._attention_fwd_blocks."""
     dq = _dq_inner(
@@ -789,7 +801,7 @@ def _dq_blocks(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
         offs_n, offs_d, full_lo, full_hi, seqlen_k, diag, window_left, window_right, qk_scale,
         dropout_threshold, dropout_scale, bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_MASK,
-        MASK_IS_BOOL, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+        MASK_IS_BOOL, HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES, PREFETCH_MASK,
     )
     return _dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
@@ -812,6 +824,7 @@ def _attention_bwd_dq_kernel(
     DQ,
     CU_Q,
     CU_K,
+    KEY_RANGE,  # (attention_fwd.mask_key_ranges) or a dummy without NARROW_KEYS
     stride_qb,
     stride_qh,
     stride_qm,
@@ -828,6 +841,8 @@ def _attention_bwd_dq_kernel(
     stride_mh,
     stride_mm,
     stride_mn,  # mask, 0 on broadcast dims
+    stride_rb,
+    stride_rh,  # KEY_RANGE rows of a batch / head
     stride_dob,
     stride_doh,
     stride_dom,
@@ -863,6 +878,8 @@ def _attention_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    NARROW_KEYS: tl.constexpr,
+    PREFETCH_MASK: tl.constexpr,
 ):
     # heaviest query blocks (most visible keys under causal masking) first: shorter tail
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -962,6 +979,11 @@ def _attention_bwd_dq_kernel(
         hi = hi + (hi_r - hi) * (hi_r < hi).to(tl.int32)
         fh = ((m0 + diag + window_right + 1) // BLOCK_N) * BLOCK_N
         full_hi = full_hi + (fh - full_hi) * (fh < full_hi).to(tl.int32)
+    if NARROW_KEYS:
+        # loaded here, not in the helper: Inductor's mutation analysis takes pointers passed to calls
+        # for written ones
+        key_range = KEY_RANGE + b * stride_rb + h * stride_rh
+        lo, hi = _narrow_to_live_keys(tl.load(key_range), tl.load(key_range + 1), lo, hi, BLOCK_N)
     hi = hi + (lo - hi) * (hi < lo).to(tl.int32)
     full_lo = full_lo + (lo - full_lo) * (full_lo < lo).to(tl.int32)
     full_lo = full_lo + (hi - full_lo) * (full_lo > hi).to(tl.int32)
@@ -973,7 +995,7 @@ def _attention_bwd_dq_kernel(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, mask_ptrs, seed, stride_kn, stride_vn, stride_mn, offs_m,
         offs_n, offs_d, lo, full_lo, full_hi, hi, seqlen_k, diag, window_left, window_right, qk_scale,
         dropout_threshold, dropout_scale, pid_bh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, MASK_IS_BOOL,
-        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES,
+        HAS_DROPOUT, HAS_LEFT, HAS_RIGHT, NUM_STAGES, PREFETCH_MASK,
     )
     dq = dq * sm_scale
     tl.store(
@@ -1117,6 +1139,10 @@ def _launch_backward(
         # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
         dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
         return
+    narrow, prefetch = mask_speed_flags(attn_mask)
+    key_ranges, r_s = dummy, (0, 0)
+    if narrow:
+        key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)
     bm, bn, warps, stages = dq_cfg
     launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
         q,
@@ -1130,10 +1156,12 @@ def _launch_backward(
         dq,
         cu_q_t,
         cu_k_t,
+        key_ranges,
         *q_s,
         *k_s,
         *v_s,
         *m_s,
+        *r_s,
         *do_s,
         *l_s,
         *dq_s,
@@ -1151,6 +1179,8 @@ def _launch_backward(
         BLOCK_M=bm,
         BLOCK_N=bn,
         NUM_STAGES=stages,
+        NARROW_KEYS=narrow,
+        PREFETCH_MASK=prefetch,
         num_warps=warps,
         num_stages=stages,
         **common,
