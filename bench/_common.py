@@ -25,22 +25,45 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """step captured in a CUDA graph, after two warm-up calls on a side stream (as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def graph_ms(step) -> float | None:
     """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return bench_ms(graph.replay)
+        return bench_ms(capture_graph(step).replay)
     except Exception as e:  # report, keep benchmarking the rest
         print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
+
+
+def interleaved_graph_us(graphs: dict, rounds: int = 7, reps: int = 30) -> dict:
+    """Median microseconds per replay of each captured graph, timed in rounds that visit every graph in
+    turn, so that a clock or power drift during the run lands on every candidate alike (timed one after
+    the other, identical kernels measured up to 20 % apart on the H200)."""
+    times = {key: [] for key in graphs}
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for key, graph in graphs.items():
+            graph.replay()
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            stop.record()
+            stop.synchronize()
+            times[key].append(start.elapsed_time(stop) * 1e3 / reps)
+    return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 
 def _commit() -> str:

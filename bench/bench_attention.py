@@ -23,7 +23,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table  # noqa: E402
+from bench._common import (  # noqa: E402
+    Results,
+    bench_ms,
+    capture_graph,
+    env_info,
+    graph_ms,
+    interleaved_graph_us,
+    markdown_table,
+)
 from flash_backend.ops.attention import flash_attention  # noqa: E402
 
 DT = torch.bfloat16
@@ -354,73 +362,89 @@ def run_atomic_dq(args):
         torch.cuda.empty_cache()
 
 
-# (B, H, S, D, shortest live length / S, mask layout): the padding-mask A/B of run_mask_switches.
-# BERT's e2e step pads each sequence to between S/2 and S; the grid's padding row to between 3S/4 and S.
+# (B, H, S, D, shortest live length / S, mask, dropout p): the padding-mask A/B of run_mask_switches. BERT's
+# e2e step pads each sequence to between S/2 and S and reaches the kernel with a bool (B, 1, 1, S) row
+# (transformers' mask, split by fx_passes/attention._split_keep); the grid's padding row is additive, padded
+# to between 3S/4 and S; "tile" is that padding as a full (B, 1, S, S) bool mask with 10 % more holes.
 MASK_SWITCH_ROWS = [
-    (32, 12, 512, 64, 0.5, "padding"),
-    (8, 16, 2048, 64, 0.75, "padding"),
-    (8, 16, 2048, 64, 0.75, "tile"),
+    (32, 12, 512, 64, 0.5, "bool", 0.1),
+    (32, 12, 512, 64, 0.5, "bool", 0.0),
+    (8, 16, 2048, 64, 0.75, "additive", 0.0),
+    (8, 16, 2048, 64, 0.75, "tile", 0.0),
 ]
-# (NARROW_PADDING_KEYS, PREFETCH_MASK_ROWS, PREFETCH_MASK_TILES) of attention_fwd: the first is the baseline.
+# forward configs timed with each switch combination (padding rows; "tile" rows time the default only)
+MASK_SWITCH_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]
+MASK_SWITCHES = ("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES")
 MASK_SWITCH_COMBOS = [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
 
 
-def _switch_mask(B, S, shortest, layout, kind):
-    """A right-padding mask: (B, 1, 1, S) rows, or the same padding as a full (B, 1, S, S) tile with a
-    random 10 % of the live keys masked too (a mask that varies over queries)."""
+def _switch_mask(B, S, shortest, kind):
+    """A right-padding mask, each sequence between shortest * S and S keys long: a (B, 1, 1, S) row, bool
+    or additive, or ("tile") a (B, 1, S, S) bool mask with a random 10 % of the live keys masked too."""
     lens = torch.randint(int(S * shortest), S + 1, (B,), device="cuda")
-    live = torch.arange(S, device="cuda")[None, :] < lens[:, None]
-    live = live[:, None, None, :]
-    if layout == "tile":
-        live = live & (torch.rand(B, 1, S, S, device="cuda") > 0.1)
+    live = (torch.arange(S, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    if kind == "tile":
+        return live & (torch.rand(B, 1, S, S, device="cuda") > 0.1)
     if kind == "bool":
         return live
     return torch.zeros(live.shape, device="cuda", dtype=DT).masked_fill(~live, float("-inf"))
 
 
 def run_mask_switches(args):
-    """GPU time (CUDA-graph replay) of the forward and backward launchers under each combination of the
-    padding-mask switches of attention_fwd (key-range narrowing, mask prefetch), bool and additive masks,
-    with and without dropout; every combination must give bitwise the baseline's outputs and gradients."""
+    """GPU time of the forward (per config) and backward launchers under each combination of attention_fwd's
+    mask switches (key-range narrowing, mask prefetch), CUDA graphs timed in interleaved rounds. Every
+    variant must give bitwise the baseline's outputs and gradients. One PICK line per row: the fastest
+    forward variant, and the backward's fastest switch combination."""
     from flash_backend.kernels import attention_bwd, attention_fwd
 
     print(f"env {env_info()}", flush=True)
-    switches = ("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES")
-    saved = [getattr(attention_fwd, n) for n in switches]
+    saved = [getattr(attention_fwd, n) for n in MASK_SWITCHES]
     try:
-        for B, H, S, D, shortest, layout in MASK_SWITCH_ROWS:
+        for B, H, S, D, shortest, kind, p in MASK_SWITCH_ROWS:
             q, k, v = (t.detach() for t in _inputs(B, H, H, S, D, None)[:3])
             dout = torch.randn_like(q)
-            for kind in ("bool",) if layout == "tile" else ("bool", "additive"):
-                mask = _switch_mask(B, S, shortest, layout, kind)
-                for p in (0.0, 0.1):
-                    seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
-                    fwd_args = (mask, seed, p, D ** -0.5, -1, -1, False)
-                    out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
-                    grads = [torch.empty_like(t) for t in (q, k, v)]
+            mask = _switch_mask(B, S, shortest, kind)
+            seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
+            fwd_args = (mask, seed, p, D ** -0.5, -1, -1, False)
+            out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            configs = [None] if kind == "tile" else MASK_SWITCH_CONFIGS
+            fwd_graphs, bwd_graphs, base = {}, {}, None
+            for combo in MASK_SWITCH_COMBOS:
+                for name, value in zip(MASK_SWITCHES, combo, strict=True):
+                    setattr(attention_fwd, name, value)
+                for cfg in configs:
                     fwd = functools.partial(attention_fwd.attention_forward_launch, q, k, v, *fwd_args, out,
-                                            lse)
+                                            lse, config=cfg)
+                    fwd()
+                    got = [out.clone(), lse.clone()]
                     bwd = functools.partial(attention_bwd.attention_backward_launch, dout, q, k, v, out, lse,
                                             *fwd_args, *grads, None)
-                    base = None
-                    for combo in MASK_SWITCH_COMBOS:
-                        for name, value in zip(switches, combo, strict=True):
-                            setattr(attention_fwd, name, value)
-                        fwd()
-                        bwd()
-                        got = [out.clone(), lse.clone(), *(g.clone() for g in grads)]
-                        same = "baseline" if base is None else (
-                            "bitwise same" if all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
-                            else "DIFFERS")
-                        base = base if base is not None else got
-                        fwd_us, bwd_us = graph_ms(fwd) * 1e3, graph_ms(bwd) * 1e3
-                        print(f"MASKSW {B},{H},{S},{D} {layout} {kind} p={p} narrow={combo[0]:d} "
-                              f"prefetch_rows={combo[1]:d} prefetch_tiles={combo[2]:d}: fwd {fwd_us:.1f} us "
-                              f"bwd {bwd_us:.1f} us ({same})", flush=True)
-            del q, k, v, dout
+                    bwd()
+                    got += [g.clone() for g in grads]
+                    if base is None:
+                        base = got
+                    elif not all(torch.equal(a, b) for a, b in zip(got, base, strict=True)):
+                        print(f"MASKSW DIFFERS: {cfg} switches {combo}", flush=True)
+                    fwd_graphs[(cfg, combo)] = capture_graph(fwd)
+                bwd_graphs[combo] = capture_graph(bwd)
+            fwd_us = interleaved_graph_us(fwd_graphs)
+            bwd_us = interleaved_graph_us(bwd_graphs)
+            label = f"{B},{H},{S},{D} {kind} p={p}"
+            base_us = fwd_us[(configs[0], MASK_SWITCH_COMBOS[0])]
+            for (cfg, combo), us in sorted(fwd_us.items(), key=lambda kv: kv[1]):
+                print(f"MASKSW {label} fwd {cfg} switches={''.join(str(int(c)) for c in combo)}: {us:.1f} us "
+                      f"({base_us / us:.2f}x baseline)", flush=True)
+            for combo, us in bwd_us.items():
+                print(f"MASKSW {label} bwd switches={''.join(str(int(c)) for c in combo)}: {us:.1f} us",
+                      flush=True)
+            (cfg, combo), _ = min(fwd_us.items(), key=lambda kv: kv[1])
+            print(f"PICK {label} fwd config={cfg} switches={combo}; bwd {min(bwd_us, key=bwd_us.get)}",
+                  flush=True)
+            del q, k, v, dout, fwd_graphs, bwd_graphs
             torch.cuda.empty_cache()
     finally:
-        for name, value in zip(switches, saved, strict=True):
+        for name, value in zip(MASK_SWITCHES, saved, strict=True):
             setattr(attention_fwd, name, value)
 
 
