@@ -360,8 +360,9 @@ def test_mask_key_ranges_under_interpreter(interpreter):
     A key is dead when the kernels' _apply_mask makes its score -inf: False, -inf, or a finfo.min that
     overflows once scaled to base 2 in fp32 (bf16's, fp32's); fp16's finfo.min and other finite values
     stay live (a row of them is a plain softmax)."""
-    from flash_backend.kernels.attention_fwd import _mask_args, mask_key_ranges
     from torch.library import wrap_triton
+
+    from flash_backend.kernels.attention_fwd import _mask_args, mask_key_ranges
 
     Sk = 70
     live = torch.zeros(4, Sk, dtype=torch.bool)

@@ -1139,7 +1139,7 @@ def _launch_backward(
         # (B*Hq, Sq, D) -> dq's (B, Hq, Sq, D); varlen (Hq, total, D) -> (total, Hq, D)
         dq.copy_(dq_acc.transpose(0, 1) if varlen else dq_acc.view(B, H, seq_q, D))
         return
-    narrow, prefetch = mask_speed_flags(attn_mask)
+    narrow, prefetch = mask_speed_flags(attn_mask, D)
     key_ranges, r_s = dummy, (0, 0)
     if narrow:
         key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)

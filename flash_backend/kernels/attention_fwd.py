@@ -49,10 +49,14 @@ def head_dim_bucket(d: int) -> int:
     return 64 if d <= 64 else (128 if d <= 128 else 256)
 
 
-def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=None, has_dropout: bool = False):
+def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=None, has_dropout: bool = False,
+               narrow: bool = False):
     if override:
         return override
     block_m, block_n, num_warps, num_stages = FWD_CONFIGS[(head_dim_bucket(head_dim), causal)]
+    if narrow:  # key range narrowed to a padding mask's live keys (see NARROW_PADDING_KEYS)
+        block_m, block_n, num_warps, num_stages = PADDING_FWD_CONFIGS.get(
+            (head_dim_bucket(head_dim), causal), (block_m, block_n, num_warps, num_stages))
     if has_mask:  # mask tiles are pipelined too: keep shared memory under the 227 KiB of an H100/H200
         block_n, num_stages = min(block_n, 64), min(num_stages, 2)
         block_m = 64 if head_dim > 128 else block_m
@@ -469,21 +473,34 @@ def _attention_fwd_kernel(
     tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-# Padding-mask speed switches (module constants so that bench_attention.py can A/B them in one process).
-# NARROW_PADDING_KEYS: the forward and dQ kernels skip the key blocks outside a query-broadcast mask's live
-# keys (one small _mask_key_range_kernel launch per call). PREFETCH_MASK_ROWS / _TILES: the pipelined key
-# loop loads the next block's mask row / tile one iteration ahead.
+# Mask speed switches (module constants, so that bench_attention.py --mask-switches can A/B them in one
+# process; H200 GPU time, CUDA graphs timed in interleaved rounds,
+# bench/logs/attention_mask_switches_h200.log).
+# - NARROW_PADDING_KEYS: the forward and dQ kernels skip the key blocks outside a query-broadcast mask's
+#   live keys (one small _mask_key_range_kernel launch per call). Only at head_dim <= 64, with the forward
+#   on the 4-warp tile of PADDING_FWD_CONFIGS, where it measured faster: BERT's (32, 12, 512, 64) with a
+#   bool padding row (sequences S/2..S long) forward 143.8 -> 122.1 us with dropout 0.1 and 102.6 -> 89.1
+#   us without; the grid's (8, 16, 2048, 64) additive row 378 -> 356 us; the dQ kernel 274 -> 255 and
+#   1110 -> 1061 us. On the 8-warp 128 x 64 tile (one program per SM) it measured slower (143.8 -> 161.6
+#   us), as the session-6 attempt had found without knowing why: no other program hides the wait for the
+#   loaded loop bounds.
+# - PREFETCH_MASK_TILES / _ROWS: the pipelined key loop loads the next block's (Sq, Sk) mask tile / padding
+#   row one iteration ahead (Triton issues these plain loads synchronously, after the QK^T wait). A tile:
+#   854 -> 769 us at (8, 16, 2048, 64), so on. A row: slower in 5 of 6 cases (e.g. 122.1 -> 126.5 us), off.
 NARROW_PADDING_KEYS = True
-PREFETCH_MASK_ROWS = True
-PREFETCH_MASK_TILES = False
+NARROW_PADDING_HEAD_DIMS = (64,)
+PADDING_FWD_CONFIGS = {(64, False): (64, 64, 4, 3), (64, True): (64, 64, 4, 3)}
+PREFETCH_MASK_ROWS = False
+PREFETCH_MASK_TILES = True
 
 
-def mask_speed_flags(attn_mask) -> tuple[bool, bool]:
+def mask_speed_flags(attn_mask, head_dim: int) -> tuple[bool, bool]:
     """(narrow to live keys, prefetch the mask) for a launch with this attn_mask (None: neither)."""
     if attn_mask is None:
         return False, False
     if mask_is_query_broadcast(attn_mask):
-        return NARROW_PADDING_KEYS, PREFETCH_MASK_ROWS
+        narrow = NARROW_PADDING_KEYS and head_dim_bucket(head_dim) in NARROW_PADDING_HEAD_DIMS
+        return narrow, PREFETCH_MASK_ROWS
     return False, PREFETCH_MASK_TILES
 
 
@@ -533,15 +550,15 @@ def _launch(
     dummy = q.new_empty(1)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     mask_1d = mask_is_query_broadcast(attn_mask)
+    narrow, prefetch = mask_speed_flags(attn_mask, D)
     # a query-broadcast mask is one row load per key block: the no-mask tiles fit in shared memory
     block_m, block_n, num_warps, num_stages = fwd_config(D, causal_hint, has_mask and not mask_1d, config,
-                                                         has_dropout=dropout_p > 0.0)
+                                                         has_dropout=dropout_p > 0.0, narrow=narrow)
     if dropout_p > 0.0 and block_n % DROPOUT_KEY_SPAN:
         raise ValueError(
             f"attention forward: BLOCK_N must be a multiple of {DROPOUT_KEY_SPAN} with dropout (a Philox "
             f"call serves {DROPOUT_KEYS_PER_CALL} keys spread over {DROPOUT_KEY_SPAN}), got {block_n}"
         )
-    narrow, prefetch = mask_speed_flags(attn_mask)
     key_ranges, r_strides = dummy, (0, 0)
     if narrow:
         key_ranges, r_strides = mask_key_ranges(attn_mask, m_strides, seq_k, mask_is_bool, launch)
