@@ -408,7 +408,8 @@ def test_mask_speed_switches_change_nothing_under_interpreter(interpreter, monke
     dout = torch.randn_like(q)
     results = []
     for combo in [(False, False, False), (True, True, True), (True, False, False), (False, True, True)]:
-        for name, value in zip(("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES"), combo):
+        switches = ("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TILES")
+        for name, value in zip(switches, combo, strict=True):
             monkeypatch.setattr(attention_fwd, name, value)
         args = (mask, None, 0.0, 0.3, -1, -1, False)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
