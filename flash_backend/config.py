@@ -16,9 +16,10 @@ bench/results/*.json), by default the subgraph is left alone and reported as a n
   and the bias gradient in one Triton pass (1.17-1.35x aten's GELU backward + column sum, 1.0-1.47x
   Inductor's, bench/results/dense_gelu_backward.json); the op's forward+backward alone is now 0.84-1.06x
   Inductor (dense.json, GPU time). In whole training steps on the H200 it measured both ways: BERT-base
-  32.04 -> 31.53 ms and GPT-2 36.50 -> 36.39 ms with it (0150b1a, one process), but BERT-base 40.2 ms
-  with it against 32.6 without on a later machine (8e20162 / 12cc7ca, each against Inductor's 36.8-36.9
-  ms in its own run), not explained yet. So it stays off by default until a profile settles it; inference
+  32.04 -> 31.53 ms and GPT-2 36.50 -> 36.39 ms with it (0150b1a, one process), BERT-base 33.21 -> 32.83
+  ms (6ef84e6, one process), but BERT-base 40.2 ms with it against 32.6 without on one machine (8e20162 /
+  12cc7ca, each against Inductor's 36.8-36.9 ms in its own run), not explained yet. So it stays off by
+  default until a profile settles it; inference
   graphs (compiled under ``torch.no_grad()``/``inference_mode``) are rewritten, the forward alone
   measuring 0.96-1.57x Inductor.
 
