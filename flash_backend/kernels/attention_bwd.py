@@ -17,7 +17,9 @@ dK/dV kernel computes its tiles in that orientation and transposes P and dS into
 (_dkdv_tile_queries_major: 1.1-1.3x its keys-major speed with p=0.1 on an H200); with a mask that varies
 over queries or a bias gradient it stays keys-major and transposes the keep tile.
 A query-broadcast (padding) mask is loaded once per key block, and the dK/dV kernel skips the query loops
-of a key block it masks for every query (_key_block_mask): such keys contribute exactly zero.
+of a key block it masks for every query (_key_block_mask): such keys contribute exactly zero. The dQ
+kernel skips the key blocks outside the mask row's live keys, as the forward does (attention_fwd's
+NARROW_PADDING_KEYS, MASK_SWITCH_HEAD_DIMS), and prefetches full mask tiles one block ahead.
 """
 
 from __future__ import annotations

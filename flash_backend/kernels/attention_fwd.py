@@ -5,7 +5,9 @@ bounds: the fast loop, no `where`) and the few boundary blocks around the causal
 sequence end (the masked loop). Blocks entirely outside the window are never visited. Softmax runs in
 base 2 with log2(e) folded into the scale. Strides are passed for every tensor, so (B, S, H, D)-transposed
 inputs, broadcast masks (stride 0) and packed varlen sequences (per-sequence offsets from cu_seqlens) run
-through the same kernel without copies.
+through the same kernel without copies. With a padding mask (one row per batch/head) the key range also
+drops the blocks outside the row's live keys (_mask_key_range_kernel; switches and their measurements at
+NARROW_PADDING_KEYS).
 
 Dropout draws one Philox-4x32 call per 8 consecutive keys of a query row and splits its 4 words into 8
 16-bit halves (`_dropout_keep`; the scheme is in flash_backend/ops/attention.py, Conventions). A call
@@ -131,8 +133,8 @@ def _live_keys(m, MASK_IS_BOOL: tl.constexpr):
 
 @triton.jit
 def _prefetch_mask(mask_ptrs, start_n, hi, stride_mn, offs_n):
-    """The mask row (or tile) of the full key block at start_n, or `other` when start_n >= hi (the load
-    after a loop's last block, or an empty loop)."""
+    """The mask row (or tile) of the full key block at start_n, or zeros when start_n >= hi (the load
+    after a loop's last block, or an empty loop): never read then."""
     return tl.load(mask_ptrs + start_n * stride_mn, mask=(start_n + offs_n[None, :]) < hi, other=0)
 
 
@@ -145,7 +147,8 @@ def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seq
                            MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr):
     """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi), its first live key and
     its last live key + 1 ((0, 0) when none is). A dead key is False, or an additive value that is -inf
-    once scaled to base 2 in fp32, as _apply_mask computes it (-inf, or a finfo.min of bf16/fp16/fp32).
+    once scaled to base 2 in fp32, as _apply_mask computes it (-inf, or bf16's / fp32's finfo.min; fp16's
+    finfo.min stays finite, so live).
 
     Why: a dead key's score is -inf for every query, so p = 0 and the running max is left alone: key blocks
     outside [lo, hi) add exactly nothing to the output, the logsumexp or any gradient, and the forward and
@@ -487,20 +490,22 @@ def _attention_fwd_kernel(
 # - PREFETCH_MASK_TILES / _ROWS: the pipelined key loop loads the next block's (Sq, Sk) mask tile / padding
 #   row one iteration ahead (Triton issues these plain loads synchronously, after the QK^T wait). A tile:
 #   854 -> 769 us at (8, 16, 2048, 64), so on. A row: slower in 5 of 6 cases (e.g. 122.1 -> 126.5 us), off.
+# Both apply only at the head_dims they were measured at (MASK_SWITCH_HEAD_DIMS): at 128 / 256 the 8-warp
+# tiles stay (narrowing there is the case that measured slower) and a prefetched tile costs registers
+# that no measurement has weighed.
 NARROW_PADDING_KEYS = True
-NARROW_PADDING_HEAD_DIMS = (64,)
 PADDING_FWD_CONFIGS = {(64, False): (64, 64, 4, 3), (64, True): (64, 64, 4, 3)}
 PREFETCH_MASK_ROWS = False
 PREFETCH_MASK_TILES = True
+MASK_SWITCH_HEAD_DIMS = (64,)
 
 
 def mask_speed_flags(attn_mask, head_dim: int) -> tuple[bool, bool]:
     """(narrow to live keys, prefetch the mask) for a launch with this attn_mask (None: neither)."""
-    if attn_mask is None:
+    if attn_mask is None or head_dim_bucket(head_dim) not in MASK_SWITCH_HEAD_DIMS:
         return False, False
     if mask_is_query_broadcast(attn_mask):
-        narrow = NARROW_PADDING_KEYS and head_dim_bucket(head_dim) in NARROW_PADDING_HEAD_DIMS
-        return narrow, PREFETCH_MASK_ROWS
+        return NARROW_PADDING_KEYS, PREFETCH_MASK_ROWS
     return False, PREFETCH_MASK_TILES
 
 
