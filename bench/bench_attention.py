@@ -67,13 +67,22 @@ def _inputs(B, Hq, Hkv, S, D, mask_kind):
     q = torch.randn(B, Hq, S, D, device="cuda", dtype=DT, requires_grad=True)
     k = torch.randn(B, Hkv, S, D, device="cuda", dtype=DT, requires_grad=True)
     v = torch.randn(B, Hkv, S, D, device="cuda", dtype=DT, requires_grad=True)
-    mask = None
-    if mask_kind == "padding":  # additive key-padding mask, a quarter of each sequence padded
-        lens = torch.randint(S * 3 // 4, S + 1, (B,), device="cuda")
-        pad = torch.arange(S, device="cuda")[None, :] >= lens[:, None]
-        mask = torch.zeros(B, 1, 1, S, device="cuda", dtype=DT)
-        mask = mask.masked_fill(pad[:, None, None, :], float("-inf"))
+    # additive key-padding mask, up to a quarter of each sequence padded
+    mask = _padding_mask(B, S, 0.75, "additive") if mask_kind == "padding" else None
     return q, k, v, mask
+
+
+def _padding_mask(B, S, shortest, kind):
+    """A right-padding mask, each sequence between shortest * S and S keys long: a (B, 1, 1, S) row, bool
+    or additive (0 / -inf), or ("tile") a (B, 1, S, S) bool mask with a random 10 % of the live keys
+    masked too."""
+    lens = torch.randint(int(S * shortest), S + 1, (B,), device="cuda")
+    live = (torch.arange(S, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    if kind == "tile":
+        return live & (torch.rand(B, 1, S, S, device="cuda") > 0.1)
+    if kind == "bool":
+        return live
+    return torch.zeros(live.shape, device="cuda", dtype=DT).masked_fill(~live, float("-inf"))
 
 
 def _time(fn, q, k, v, mode):
@@ -378,18 +387,6 @@ MASK_SWITCHES = ("NARROW_PADDING_KEYS", "PREFETCH_MASK_ROWS", "PREFETCH_MASK_TIL
 MASK_SWITCH_COMBOS = [(False, False, False), (False, True, True), (True, False, False), (True, True, True)]
 
 
-def _switch_mask(B, S, shortest, kind):
-    """A right-padding mask, each sequence between shortest * S and S keys long: a (B, 1, 1, S) row, bool
-    or additive, or ("tile") a (B, 1, S, S) bool mask with a random 10 % of the live keys masked too."""
-    lens = torch.randint(int(S * shortest), S + 1, (B,), device="cuda")
-    live = (torch.arange(S, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
-    if kind == "tile":
-        return live & (torch.rand(B, 1, S, S, device="cuda") > 0.1)
-    if kind == "bool":
-        return live
-    return torch.zeros(live.shape, device="cuda", dtype=DT).masked_fill(~live, float("-inf"))
-
-
 def run_mask_switches(args):
     """GPU time of the forward (per config) and backward launchers under each combination of attention_fwd's
     mask switches (key-range narrowing, mask prefetch), CUDA graphs timed in interleaved rounds. Every
@@ -403,7 +400,7 @@ def run_mask_switches(args):
         for B, H, S, D, shortest, kind, p in MASK_SWITCH_ROWS:
             q, k, v = (t.detach() for t in _inputs(B, H, H, S, D, None)[:3])
             dout = torch.randn_like(q)
-            mask = _switch_mask(B, S, shortest, kind)
+            mask = _padding_mask(B, S, shortest, kind)
             seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
             fwd_args = (mask, seed, p, D ** -0.5, -1, -1, False)
             out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")

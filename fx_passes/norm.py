@@ -975,10 +975,15 @@ def rewrite(graph: torch.fx.Graph) -> None:
         return
     _float_inputs_to_specialise.clear()
     decisions = []  # reported once the run is known to stand (see the end)
-    anchors = [n for n in graph.nodes if is_op(n, "layer_norm", "rms_norm", "var_mean", "std_mean")
-               or _as_mean(n) is not None or _two_norm(n) is not None]
+    # (node, its mean when the node is one): the mean is found once, here, not again by the matcher
+    anchors = []
+    for n in graph.nodes:
+        if is_op(n, "layer_norm", "rms_norm", "var_mean", "std_mean") or _two_norm(n) is not None:
+            anchors.append((n, None))
+        elif (mean := _as_mean(n)) is not None:
+            anchors.append((n, mean))
     done: set[torch.fx.Node] = set()
-    for node in anchors:
+    for node, mean in anchors:
         if node in done:
             continue
         core = None
@@ -990,12 +995,11 @@ def rewrite(graph: torch.fx.Graph) -> None:
             elif is_op(node, "var_mean", "std_mean"):
                 variant = "hand-written LayerNorm"
                 core = _match_var_mean(node)
-            elif _two_norm(node) is not None:
+            elif mean is None:
                 variant = "hand-written RMSNorm (2-norm / sqrt(N))"
                 core = _match_two_norm_rms(node)
             else:
                 variant = "hand-written LayerNorm"
-                mean = _as_mean(node)
                 core = _match_layer(mean)
                 if core is None:
                     variant = "hand-written RMSNorm"

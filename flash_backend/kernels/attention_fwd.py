@@ -55,10 +55,10 @@ def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=Non
                narrow: bool = False):
     if override:
         return override
-    block_m, block_n, num_warps, num_stages = FWD_CONFIGS[(head_dim_bucket(head_dim), causal)]
-    if narrow:  # key range narrowed to a padding mask's live keys (see NARROW_PADDING_KEYS)
-        block_m, block_n, num_warps, num_stages = PADDING_FWD_CONFIGS.get(
-            (head_dim_bucket(head_dim), causal), (block_m, block_n, num_warps, num_stages))
+    key = (head_dim_bucket(head_dim), causal)
+    # a key range narrowed to a padding mask's live keys has its own tiles (see NARROW_PADDING_KEYS)
+    table = PADDING_FWD_CONFIGS if narrow and key in PADDING_FWD_CONFIGS else FWD_CONFIGS
+    block_m, block_n, num_warps, num_stages = table[key]
     if has_mask:  # mask tiles are pipelined too: keep shared memory under the 227 KiB of an H100/H200
         block_n, num_stages = min(block_n, 64), min(num_stages, 2)
         block_m = 64 if head_dim > 128 else block_m
