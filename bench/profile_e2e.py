@@ -24,7 +24,28 @@ def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def profile_mode(config: str, mode: str, steps: int, top: int) -> None:
+def _host_profile(step, steps: int, top: int) -> None:
+    """cProfile of `steps` steady-state steps: where the host's time per step goes (the profiler's own cost
+    inflates every figure alike; read the ranking, not the absolute numbers)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        body = out.getvalue()
+        print(f"-- host profile by {key} ({steps} steps)\n" + body[body.find("   ncalls"):].rstrip())
+
+
+def profile_mode(config: str, mode: str, steps: int, top: int, host_profile: bool = False) -> None:
     from flash_backend.backend import flash_backend as flash_backend_fn
 
     torch._dynamo.reset()
@@ -61,11 +82,14 @@ def profile_mode(config: str, mode: str, steps: int, top: int) -> None:
             entry[0] += evt.device_time / 1e3 / steps  # us -> ms per step
             entry[1] += 1
     gpu_ms = sum(v[0] for v in kernels.values())
+    launches = sum(v[1] for v in kernels.values()) // steps
     print(f"\n== {config} / {mode}: host {host_ms:.2f} ms/step, wall {wall_ms:.2f} ms/step, "
-          f"kernels {gpu_ms:.2f} ms/step ({len(kernels)} distinct)")
+          f"kernels {gpu_ms:.2f} ms/step ({len(kernels)} distinct, {launches} launches a step)")
     print(f"{'ms/step':>8} {'%':>5} {'calls':>6}  kernel")
     for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{ms:8.3f} {100 * ms / gpu_ms:5.1f} {calls // steps:6d}  {_short(name)}")
+    if host_profile:
+        _host_profile(step, steps, top)
 
 
 def main():
@@ -74,12 +98,13 @@ def main():
     p.add_argument("--modes", default="inductor,flash")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the steps")
     args = p.parse_args()
     import flash_backend  # noqa: F401
 
     torch.backends.cuda.matmul.allow_tf32 = True
     for mode in args.modes.split(","):
-        profile_mode(args.config, mode, args.steps, args.top)
+        profile_mode(args.config, mode, args.steps, args.top, args.host_profile)
 
 
 if __name__ == "__main__":
