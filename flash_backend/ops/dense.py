@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op, wrap_triton
 
 from flash_backend import _cpp_build
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel
@@ -200,8 +202,9 @@ TRITON_CONFIGS = ((128, 256, 64, 8, 8, 3),)
 
 
 def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str, store_pre: bool,
-                       config: tuple = TRITON_CONFIGS[0]) -> tuple[Tensor, Tensor]:
-    """(gelu(x @ weight.T + bias), the pre-activation or an empty tensor) for 2-D x: the Triton kernel."""
+                       config: tuple = TRITON_CONFIGS[0], launch=None) -> tuple[Tensor, Tensor]:
+    """(gelu(x @ weight.T + bias), the pre-activation or an empty tensor) for 2-D x: the Triton kernel.
+    `launch` wraps the kernel (wrap_triton inside the ops)."""
     rows, k = x.shape
     n = weight.shape[0]
     out = x.new_empty(rows, n)
@@ -210,7 +213,7 @@ def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approxima
         return out, pre
     block_m, block_n, block_k, group_m, warps, stages = config
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
-    _linear_gelu_fwd_kernel[grid](
+    (launch or (lambda k: k))(_linear_gelu_fwd_kernel)[grid](
         x, weight, bias if bias is not None else out, out, pre if store_pre else out, rows, n, x.stride(0),
         weight.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         HAS_BIAS=bias is not None, APPROXIMATE_TANH=approximate == "tanh", STORE_PRE=store_pre,
@@ -219,7 +222,7 @@ def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approxima
 
 
 def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
-                          store_pre: bool) -> tuple[Tensor, Tensor]:
+                          store_pre: bool, launch=None) -> tuple[Tensor, Tensor]:
     if approximate == "tanh":
         return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
     pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
@@ -250,11 +253,12 @@ def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per
 
 
 def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_dbias: bool = True,
-                        config: tuple = GELU_BWD_CONFIG) -> tuple[Tensor, Tensor | None]:
+                        config: tuple = GELU_BWD_CONFIG, launch=None) -> tuple[Tensor, Tensor | None]:
     """(grad_out * gelu'(pre), its column sums or None) for contiguous 2-D (M, N) tensors, in one pass.
 
     The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed here; they are
-    returned in pre's dtype, as eager's `grad_pre.sum(0)`."""
+    returned in pre's dtype, as eager's `grad_pre.sum(0)`. `launch` wraps the kernel (wrap_triton inside
+    the ops)."""
     m, n = pre.shape
     block_m, block_n, warps, per_sm, stages, poly_cdf = config
     block_n = min(block_n, triton.next_power_of_2(n))
@@ -268,7 +272,7 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     rows_per_program = _row_chunks(pre.device, m, col_blocks, block_m, per_sm)
     chunks = triton.cdiv(m, rows_per_program)
     partial = pre.new_empty((chunks, n) if with_dbias else (0,), dtype=torch.float32)
-    _gelu_bwd_dbias_kernel[(chunks, col_blocks)](
+    (launch or (lambda k: k))(_gelu_bwd_dbias_kernel)[(chunks, col_blocks)](
         grad_out, pre, grad_pre, partial, m, n, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
         APPROXIMATE_TANH=approximate == "tanh", STORE_DBIAS=with_dbias, STAGES=stages,
         POLY_CDF=poly_cdf, num_warps=warps)
@@ -316,8 +320,14 @@ _FORWARDS = _forward_implementations()
 
 def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
                       store_pre: bool) -> tuple[Tensor, Tensor]:
-    """The forward on CUDA (x 2-D, all contiguous) by whichever implementation measured fastest here."""
+    """The forward on CUDA (x 2-D, all contiguous) by whichever implementation measured fastest here.
+
+    Traced (torch.compile sees inside the ops, fake tensors, nothing to time) it is cuBLASLt: the H200 picked
+    it for every (768, 3072) problem once the timing bracketed GPU work only (bench/NOTES_dense.md), and a
+    compiled graph should not depend on which eager calls happened to run before it."""
     args = (x, weight, bias, approximate, store_pre)
+    if is_fake(x):
+        return _FORWARDS["cublaslt"](*args, launch=wrap_triton)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
     name = _forward_choice.get(key)
@@ -330,7 +340,7 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
         log.info("flash dense: %s for M~%d K=%d N=%d %s%s (ms: %s)", name, key[2], key[3], key[4],
                  approximate, " training" if store_pre else "",
                  ", ".join(f"{n} {t:.4f}" for n, t in times.items()))
-    return _FORWARDS[name](*args)
+    return _FORWARDS[name](*args, launch=wrap_triton)
 
 
 def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
@@ -342,19 +352,19 @@ def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
 
 # --------------------------------------------------------------------------------------------------
 # The ops: flash::dense_gelu_fwd / _bwd, flash::dense_bias_fwd / _bwd
+#
+# triton_op, not custom_op: under torch.compile the body is traced into the graph, so Inductor launches the
+# Triton pass from its generated code and calls the csrc GEMMs as extern kernels. As opaque custom ops every
+# call went through custom_op's Python dispatch (~0.24 ms of host time a call under cProfile in BERT's
+# step, 26 calls a step: bench/logs/profile_e2e_bert_dense_h200.log), which made the rewrite's GPU saving
+# depend on the host. Each body handles every device: the reference wherever cuBLASLt cannot run (CPU,
+# fp32, odd K/N, a failed build), and the CPU never builds csrc (_cublaslt_ok asks is_cuda first).
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash::dense_gelu_fwd", mutates_args=())
+@triton_op("flash::dense_gelu_fwd", mutates_args=())
 def dense_gelu_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> tuple[Tensor, Tensor]:
     """x (..., K), weight (N, K), bias (N,) or None -> (gelu(pre), pre), both (..., N) and contiguous."""
-    _check(x, weight, bias, approximate)
-    out, pre = dense_gelu_reference(x, weight, bias, approximate)
-    return out.contiguous(), pre.contiguous()
-
-
-@dense_gelu_fwd.register_kernel("cuda")
-def _(x, weight, bias, approximate):
     _check(x, weight, bias, approximate)
     if not _cublaslt_ok(x, weight):
         out, pre = dense_gelu_reference(x, weight, bias, approximate)
@@ -372,15 +382,9 @@ def _(x, weight, bias, approximate):
     return x.new_empty(shape), x.new_empty(shape)
 
 
-@torch.library.custom_op("flash::dense_gelu_inference", mutates_args=())
+@triton_op("flash::dense_gelu_inference", mutates_args=())
 def dense_gelu_inference(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     """dense_gelu_fwd without the pre-activation, for inference: no (M, N) store of it, no autograd."""
-    _check(x, weight, bias, approximate)
-    return dense_gelu_reference(x, weight, bias, approximate)[0].contiguous()
-
-
-@dense_gelu_inference.register_kernel("cuda")
-def _(x, weight, bias, approximate):
     _check(x, weight, bias, approximate)
     if not _cublaslt_ok(x, weight):
         return dense_gelu_reference(x, weight, bias, approximate)[0].contiguous()
@@ -395,22 +399,15 @@ def _(x, weight, bias, approximate):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("flash::dense_gelu_bwd", mutates_args=())
+@triton_op("flash::dense_gelu_bwd", mutates_args=())
 def dense_gelu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pre: Tensor,
                    approximate: str) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_x (..., K), grad_weight (N, K), grad_bias (N,)), all contiguous."""
     _check_bwd(grad_out, x, weight)
-    grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
-    return tuple(g.contiguous() for g in grads)
-
-
-@dense_gelu_bwd.register_kernel("cuda")
-def _(grad_out, x, weight, pre, approximate):
-    _check_bwd(grad_out, x, weight)
     if not _cublaslt_ok(x, weight):
         grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
         return tuple(g.contiguous() for g in grads)
-    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate)
+    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate, launch=wrap_triton)
     grad_x = (grad_pre @ weight).view(x.shape)
     return grad_x, grad_pre.t() @ _as_2d(x), grad_bias
 
@@ -421,15 +418,9 @@ def _(grad_out, x, weight, pre, approximate):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
 
 
-@torch.library.custom_op("flash::dense_bias_fwd", mutates_args=())
+@triton_op("flash::dense_bias_fwd", mutates_args=())
 def dense_bias_fwd(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x (..., K), weight (N, K), bias (N,) or None -> x @ weight.T + bias, (..., N) contiguous."""
-    _check(x, weight, bias)
-    return dense_bias_reference(x, weight, bias).contiguous()
-
-
-@dense_bias_fwd.register_kernel("cuda")
-def _(x, weight, bias):
     _check(x, weight, bias)
     if not _cublaslt_ok(x, weight):
         return dense_bias_reference(x, weight, bias).contiguous()
@@ -444,15 +435,9 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("flash::dense_bias_bwd", mutates_args=())
+@triton_op("flash::dense_bias_bwd", mutates_args=())
 def dense_bias_bwd(grad_out: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_x (..., K), grad_weight (N, K), grad_bias (N,)), all contiguous."""
-    _check_bwd(grad_out, x, weight)
-    return tuple(g.contiguous() for g in dense_bias_backward_reference(grad_out, x, weight))
-
-
-@dense_bias_bwd.register_kernel("cuda")
-def _(grad_out, x, weight):
     _check_bwd(grad_out, x, weight)
     if not _cublaslt_ok(x, weight):
         return tuple(g.contiguous() for g in dense_bias_backward_reference(grad_out, x, weight))
