@@ -5,6 +5,7 @@
     python bench/bench_attention.py --dropout  # dropout p=0.1 against the SDPA backends that take it
     python bench/bench_attention.py --overhead # host vs device time per call, small case
     python bench/bench_attention.py --atomic-dq  # backward GPU time: dQ kernel vs atomic dQ (use_atomic_dq)
+    python bench/bench_attention.py --e2e-configs  # tile configs at bench_e2e's attention shapes, GPU time
 
 TFLOP/s use flops = 4*B*H*S^2*D, halved when causal; fwd+bwd counts 3.5x the forward.
 """
@@ -445,6 +446,94 @@ def run_mask_switches(args):
             setattr(attention_fwd, name, value)
 
 
+# (label, B, H, S, D, causal, padding (shortest live length / S) or None, dropout p): the attention calls of
+# bench_e2e's steps, where the grid's tile tables were never timed. The backward sweeps the dK/dV kernel's
+# config (with atomic dQ where use_atomic_dq takes it, else with each dQ config too).
+E2E_CONFIG_ROWS = [
+    ("bert", 32, 12, 512, 64, False, 0.5, 0.1),
+    ("gpt2", 16, 12, 1024, 64, True, None, 0.1),
+    ("vit", 64, 12, 197, 64, False, None, 0.0),
+]
+E2E_FWD_CANDIDATES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 3),
+                      (64, 32, 4, 3), (128, 32, 4, 3)]
+E2E_BWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2),
+                      (128, 64, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)]
+
+
+def _close(got, ref) -> float:
+    """max |got - ref| / max |ref| over a list of tensors (different tiles round differently)."""
+    return max(((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
+               for g, r in zip(got, ref, strict=True))
+
+
+def run_e2e_configs(args):
+    """GPU time (CUDA graphs, interleaved rounds) of forward and backward tile configs at the attention
+    shapes of bench_e2e's models; every candidate is checked against the default config's result."""
+    from flash_backend.kernels import attention_bwd, attention_fwd
+
+    print(f"env {env_info()}", flush=True)
+    for label, B, H, S, D, causal, shortest, p in E2E_CONFIG_ROWS:
+        q, k, v = (t.detach() for t in _inputs(B, H, H, S, D, None)[:3])
+        dout = torch.randn_like(q)
+        mask = _padding_mask(B, S, shortest, "bool") if shortest is not None else None
+        seed = torch.randint(0, 2**62, (1,), device="cuda") if p else None
+        fwd_args = (mask, seed, p, D ** -0.5, -1, 0 if causal else -1, False)
+        out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        fwd = functools.partial(attention_fwd.attention_forward_launch, q, k, v, *fwd_args, out, lse)
+        fwd()
+        ref_fwd = [out.clone()]
+        fwd_graphs = {}
+        for cfg in E2E_FWD_CANDIDATES:
+            step = functools.partial(fwd, config=cfg)
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, skipped
+                print(f"E2ECFG {label} fwd {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            err = _close([out], ref_fwd)
+            if err > 2e-2:
+                print(f"E2ECFG {label} fwd {cfg}: WRONG, max rel diff {err:.1e}", flush=True)
+                continue
+            fwd_graphs[cfg] = capture_graph(step)
+        fwd()  # the default's out and lse feed every backward
+        atomic = attention_bwd.use_atomic_dq(D, p, False, False)
+        default = attention_bwd.default_configs(D, p, atomic)
+        bwd = functools.partial(attention_bwd.attention_backward_launch, dout, q, k, v, out, lse, *fwd_args,
+                                *grads, None, atomic_dq=atomic)
+        bwd()
+        ref_bwd = [g.clone() for g in grads]
+        # each dK/dV candidate with the default dQ config; without atomics, each dQ candidate with the default
+        # dK/dV config too
+        pairs = [(cfg, default[1]) for cfg in E2E_BWD_CANDIDATES]
+        if not atomic:
+            pairs += [(default[0], cfg) for cfg in E2E_BWD_CANDIDATES if cfg != default[1]]
+        bwd_graphs = {}
+        for cfg, dq_cfg in pairs:
+            step = functools.partial(bwd, config=(cfg, dq_cfg))
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001
+                print(f"E2ECFG {label} bwd {cfg} dq {dq_cfg}: failed {type(e).__name__}: {str(e)[:120]}",
+                      flush=True)
+                continue
+            err = _close(grads, ref_bwd)
+            if err > 2e-2:
+                print(f"E2ECFG {label} bwd {cfg} dq {dq_cfg}: WRONG, max rel diff {err:.1e}", flush=True)
+                continue
+            bwd_graphs[(cfg, dq_cfg)] = capture_graph(step)
+        fwd_graphs["default"] = capture_graph(fwd)
+        bwd_graphs["default"] = capture_graph(bwd)
+        print(f"E2ECFG {label} defaults: bwd {default}, atomic dQ {atomic}", flush=True)
+        for mode, graphs in (("fwd", fwd_graphs), ("bwd", bwd_graphs)):
+            us = interleaved_graph_us(graphs)
+            for cfg, t in sorted(us.items(), key=lambda kv: kv[1]):
+                print(f"E2ECFG {label} {mode} {cfg}: {t:.1f} us ({us['default'] / t:.2f}x the default)",
+                      flush=True)
+        del q, k, v, dout, out, lse, grads, fwd_graphs, bwd_graphs
+        torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
@@ -456,10 +545,14 @@ def main():
     p.add_argument("--overhead", action="store_true", help="host vs device time per call, small case")
     p.add_argument("--dropout", action="store_true", help="attention dropout p=0.1 against SDPA's backends")
     p.add_argument("--atomic-dq", action="store_true", help="backward: dQ kernel vs atomic dQ, GPU time")
+    p.add_argument("--e2e-configs", action="store_true",
+                   help="tile configs at the attention shapes of bench_e2e's models, GPU time")
     p.add_argument("--mask-switches", action="store_true",
                    help="padding-mask switches of attention_fwd (narrowing, prefetch), GPU time")
     args = p.parse_args()
-    if args.mask_switches:
+    if args.e2e_configs:
+        run_e2e_configs(args)
+    elif args.mask_switches:
         run_mask_switches(args)
     elif args.overhead:
         run_overhead(args)
