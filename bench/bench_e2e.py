@@ -39,23 +39,24 @@ CONFIGS = {
     "vit-eager": ("vit", "eager", 64, 224),
 }
 MODES = ("eager", "inductor", "flash")
-# "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes turn one
-# on: flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs
-# from "flash" on the *-sdpa configs); flash_dense fuses Linear + GELU in training graphs too.
-_EXTRA_MODE_SWITCHES = {"flash_route_sdpa": "route_sdpa_calls_on_cuda",
-                        "flash_dense": "dense_training_on_cuda"}
+# "flash" runs flash_backend/config.py's switches as they are (defaults or environment). Extra modes set one:
+# flash_route_sdpa routes F.scaled_dot_product_attention calls to our attention op too (only differs from
+# "flash" on the *-sdpa configs); flash_dense / flash_no_dense fuse Linear + GELU in training graphs or not.
+_EXTRA_MODE_SWITCHES = {"flash_route_sdpa": ("route_sdpa_calls_on_cuda", True),
+                        "flash_dense": ("dense_training_on_cuda", True),
+                        "flash_no_dense": ("dense_training_on_cuda", False)}
 EXTRA_MODES = tuple(_EXTRA_MODE_SWITCHES)
 
 
 @contextlib.contextmanager
 def _switch_for(mode: str):
-    """config.py's switch of an extra mode turned on for that mode's run, and restored after it."""
+    """config.py's switch of an extra mode set for that mode's run, and restored after it."""
     from flash_backend import config as flash_config
 
-    name = _EXTRA_MODE_SWITCHES.get(mode)
+    name, value = _EXTRA_MODE_SWITCHES.get(mode, (None, None))
     saved = getattr(flash_config, name) if name else None
     if name:
-        setattr(flash_config, name, True)
+        setattr(flash_config, name, value)
     try:
         yield
     finally:

@@ -135,7 +135,7 @@ def e2e() -> str:
     rows = []
     for (model, attn, batch, seq), impls in _grouped(data, key).items():
         ind = impls.get("inductor")
-        for name in ("eager", "inductor", "flash", "flash_route_sdpa"):
+        for name in ("eager", "inductor", "flash", "flash_no_dense", "flash_route_sdpa"):
             r = impls.get(name)
             if r is None or "throughput" not in r:
                 continue

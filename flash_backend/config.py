@@ -1,4 +1,5 @@
-"""Switches for rewrites that are correct but measured slower than what the graph would run otherwise.
+"""Switches for rewrites that are correct but measured slower than what the graph would run otherwise (and
+for one that measured faster only recently, so that it can be turned off).
 
 On CUDA a rewrite pays only where our kernel beats the kernel it replaces. Where it does not (H200,
 bench/results/*.json), by default the subgraph is left alone and reported as a near miss:
@@ -12,16 +13,18 @@ bench/results/*.json), by default the subgraph is left alone and reported as a n
   Inductor asks, would run math (fx_passes/attention.py, _sdpa_backend_when_traced); the switch routes
   every call. Hand-written attention is always rewritten: there the alternative is the unfused
   matmul-softmax-matmul (GPT-2 eager attention: 1.28x Inductor).
-- Linear + bias + GELU in a graph that needs its backward. Since 72f1de6 the op's backward does GELU'
-  and the bias gradient in one Triton pass (1.17-1.35x aten's GELU backward + column sum, 1.0-1.47x
-  Inductor's, bench/results/dense_gelu_backward.json); the op's forward+backward alone is now 0.84-1.06x
-  Inductor (dense.json, GPU time). In whole training steps on the H200 it measured both ways: BERT-base
-  32.04 -> 31.53 ms and GPT-2 36.50 -> 36.39 ms with it (0150b1a, one process), BERT-base 33.21 -> 32.83
-  ms (6ef84e6, one process), but BERT-base 40.2 ms with it against 32.6 without on one machine (8e20162 /
-  12cc7ca, each against Inductor's 36.8-36.9 ms in its own run), not explained yet. So it stays off by
-  default until a profile settles it; inference
-  graphs (compiled under ``torch.no_grad()``/``inference_mode``) are rewritten, the forward alone
-  measuring 0.96-1.57x Inductor.
+- Linear + bias + GELU in a graph that needs its backward: **on by default since 58762ca** (the switch
+  turns it off). The op's backward does GELU' and the bias gradient in one Triton pass (1.17-1.35x aten's
+  GELU backward + column sum, bench/results/dense_gelu_backward.json). In whole training steps it measured
+  both ways while the ops were opaque custom ops: BERT-base 32.04 -> 31.53 ms and GPT-2 36.50 -> 36.39 ms
+  with it (0150b1a, one process), BERT-base 33.21 -> 32.83 ms (6ef84e6), but once 40.2 ms against 32.6
+  without (8e20162 / 12cc7ca, separate runs). A profile of BERT's step (bench/logs/
+  profile_e2e_bert_dense_h200.log) then showed the GPU side 0.74 ms shorter with the rewrite and custom_op's
+  Python dispatch costing ~0.24 ms of host time per call (26 calls a step): the rewrite's gain depended on
+  the host. The ops are triton_ops since 58762ca, traced into Inductor's graph; BERT-base then measured
+  35.95 (Inductor) / 31.98 / 31.58 ms (flash without / with it, one process,
+  bench/logs/e2e_bert_dense_ab_triton_op_h200.log). Inference graphs were always rewritten (the forward alone
+  0.96-1.57x Inductor).
 
 On the CPU the fused ops run their plain-PyTorch reference, where speed is not the point: everything is
 rewritten there, so CI exercises the whole pipeline. Set a switch to True (or its environment
@@ -39,7 +42,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 route_sdpa_calls_on_cuda: bool = _env_flag("FLASH_BACKEND_ROUTE_SDPA", False)
-dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", False)
+dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
 # F.cross_entropy over a Linear's logits (fx_passes/cross_entropy.py). On by default because it measured
 # faster on the H200: the head alone 1.03-1.37x Inductor forward+backward (cross_entropy.json, 89d71bf),
 # BERT-base's training step 1.07x -> 1.12x Inductor (e2e.json, 5310b0c).

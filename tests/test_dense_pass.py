@@ -270,13 +270,13 @@ def _linear_gelu_graph_on_fake_cuda(requires_grad: bool):
 @pytest.mark.parametrize("switch", [pytest.param(True, marks=pytest.mark.cuda), False],
                          ids=["switch_on", "switch_off"])
 def test_dense_training_graph_on_cuda_follows_the_switch(monkeypatch, switch):
-    """A CUDA training graph is fused while dense_training_on_cuda is on; switched off (the default,
-    config.py says why), it is a reported near miss that names the switch."""
+    """A CUDA training graph is fused while dense_training_on_cuda is on (the default, config.py says why);
+    switched off, it is a reported near miss that names the switch."""
     from flash_backend import config as flash_config
     from fx_passes import dense as dense_pass
     from fx_passes._report import collecting
 
-    default = flash_config._env_flag("FLASH_BACKEND_DENSE_TRAINING", False)
+    default = flash_config._env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
     assert flash_config.dense_training_on_cuda == default
     monkeypatch.setattr(flash_config, "dense_training_on_cuda", switch)
     graph, gelu = _linear_gelu_graph_on_fake_cuda(requires_grad=True)

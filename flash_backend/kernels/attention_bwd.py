@@ -53,8 +53,11 @@ from flash_backend.ops.attention import (
 # head_dim bucket -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV kernel and for the dQ kernel.
 DKDV_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 2)}
 DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (128, 64, 8, 1)}
-# The dK/dV kernel when it also accumulates dQ with atomics: only where use_atomic_dq picks it.
-ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 2)}
+# The dK/dV kernel when it also accumulates dQ with atomics: only where use_atomic_dq picks it. 3 stages:
+# 1.07x at BERT's (32,12,512,64) with its padding row and 1.04x at GPT-2's causal (16,12,1024,64), both
+# p=0.1 (bench_attention.py --e2e-configs, interleaved graph timing, logs/attention_e2e_configs_h200.log);
+# never slower than 2 stages in the atomic-dQ sweep (1.00-1.02x, logs/attention_atomic_dq_h200.log).
+ATOMIC_DKDV_CONFIGS = {64: (64, 64, 4, 3)}
 # What one dK/dV launch computes. At head_dim 256 the two fp32 (BLOCK_N, 256) accumulators leave room for
 # only 32 keys a program; dV alone (P, then P^T dO) and dK alone (P, dP, dS^T Q) each hold one, so the
 # launcher runs the kernel twice with bigger tiles: 5 matmuls of work instead of 4, at a better rate.
