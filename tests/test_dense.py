@@ -128,10 +128,11 @@ def test_cpu_never_builds(monkeypatch):
     linear_bias(x, w, b)
 
 
-def test_compiled_graph_traces_cublaslt_and_times_nothing(monkeypatch):
+def test_compiled_graph_traces_a_fixed_forward_and_times_nothing(monkeypatch):
     """Under torch.compile the ops' bodies are traced (triton_op) with fake tensors: the forward must take
-    cuBLASLt there, never time implementations on fake tensors, and the traced graph must compute what eager
-    does. The CPU stands in for CUDA: cuBLASLt is reported available and replaced by the reference."""
+    its fixed traced path there (cuBLASLt for tanh, F.linear + F.gelu for erf), never time implementations
+    on fake tensors, and the traced graph must compute what eager does. The CPU stands in for CUDA:
+    cuBLASLt is reported available and replaced by the reference."""
     calls = []
 
     def cublaslt_stand_in(x, weight, bias, approximate, store_pre, launch=None):
@@ -146,13 +147,18 @@ def test_compiled_graph_traces_cublaslt_and_times_nothing(monkeypatch):
     monkeypatch.setattr(dense, "_FORWARDS", {"cublaslt": cublaslt_stand_in, "triton": no_timing})
     monkeypatch.setattr(dense, "_time_ms", no_timing)
     x, w, b = _inputs((3, 5, 16), 24)
-    fn = lambda x, w, b: torch.ops.flash.dense_gelu_fwd(x, w, b, "tanh")
-    torch._dynamo.reset()
-    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, w, b)
-    assert calls and all(calls), calls  # traced with fake tensors, and only through cuBLASLt
-    want = dense_gelu_reference(x, w, b, "tanh")
-    for g, r in zip(got, want, strict=True):
-        torch.testing.assert_close(g, r)
+    for approximate in ("tanh", "none"):
+        calls.clear()
+        fn = lambda x, w, b, approximate=approximate: torch.ops.flash.dense_gelu_fwd(x, w, b, approximate)
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, w, b)
+        if approximate == "tanh":
+            assert calls and all(calls), calls  # traced with fake tensors, and only through cuBLASLt
+        else:
+            assert not calls  # erf: F.linear + F.gelu, what Inductor runs unfused (the op's docstring)
+        want = dense_gelu_reference(x, w, b, approximate)
+        for g, r in zip(got, want, strict=True):
+            torch.testing.assert_close(g, r)
 
 
 # ---------------------------------------------------------------------------- CUDA

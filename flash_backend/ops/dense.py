@@ -322,11 +322,19 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
                       store_pre: bool) -> tuple[Tensor, Tensor]:
     """The forward on CUDA (x 2-D, all contiguous) by whichever implementation measured fastest here.
 
-    Traced (torch.compile sees inside the ops, fake tensors, nothing to time) it is cuBLASLt: the H200 picked
-    it for every (768, 3072) problem once the timing bracketed GPU work only (bench/NOTES_dense.md), and a
-    compiled graph should not depend on which eager calls happened to run before it."""
+    Traced (torch.compile sees inside the ops: fake tensors, nothing to time; and a compiled graph should not
+    depend on which eager calls happened to run before it) the choice is fixed:
+    - tanh GELU: cuBLASLt's GELU_AUX_BIAS epilogue, one GEMM and no pass (the H200 picked cuBLASLt for every
+      (768, 3072) problem once the timing bracketed GPU work only, bench/NOTES_dense.md);
+    - erf GELU: F.linear then F.gelu, i.e. what Inductor runs unfused (its addmm and its own fused GELU
+      pass). cuBLASLt's BIAS epilogue does the same work, and in ViT-base's step (M = 12608) the fused
+      graph measured 22.4 ms against 20.3 without the rewrite (bench/logs/e2e_dense_default_h200.log,
+      386618f); the erf rewrite's gain is the backward's one-pass GELU' and bias gradient."""
     args = (x, weight, bias, approximate, store_pre)
     if is_fake(x):
+        if approximate == "none":
+            pre = F.linear(x, weight, bias)
+            return F.gelu(pre), (pre if store_pre else x.new_empty(0))
         return _FORWARDS["cublaslt"](*args, launch=wrap_triton)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
