@@ -23,7 +23,8 @@ computes either GELU (erf too) and stores the activation and the pre-activation
 by guess: the first call of a (device, dtype, M rounded up to a power of 2, K, N, bias, GELU, training)
 problem times the cuBLASLt forward and each Triton configuration and keeps the fastest for that key
 (`forward_path_choices()` shows the decisions; inside CUDA-graph capture nothing is timed, and an
-undecided problem runs cuBLASLt).
+undecided problem runs cuBLASLt). That is eager calls: under torch.compile the ops' bodies are traced on
+fake tensors and the forward is fixed per GELU (`_linear_gelu_cuda` says which and why).
 
 Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt or Triton as
 measured. Everything else (CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch.
