@@ -466,6 +466,21 @@ def _close(got, ref) -> float:
                for g, r in zip(got, ref, strict=True))
 
 
+def _checked_graph(what: str, step, outputs: list, ref: list):
+    """step captured in a CUDA graph if it runs and its outputs (filled in place) match ref within 2e-2
+    relative; else None, with the reason printed (a config that does not compile or fit is skipped)."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001
+        print(f"E2ECFG {what}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+    err = _close(outputs, ref)
+    if err > 2e-2:
+        print(f"E2ECFG {what}: WRONG, max rel diff {err:.1e}", flush=True)
+        return None
+    return capture_graph(step)
+
+
 def run_e2e_configs(args):
     """GPU time (CUDA graphs, interleaved rounds) of forward and backward tile configs at the attention
     shapes of bench_e2e's models; every candidate is checked against the default config's result."""
@@ -485,17 +500,9 @@ def run_e2e_configs(args):
         ref_fwd = [out.clone()]
         fwd_graphs = {}
         for cfg in E2E_FWD_CANDIDATES:
-            step = functools.partial(fwd, config=cfg)
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, skipped
-                print(f"E2ECFG {label} fwd {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            err = _close([out], ref_fwd)
-            if err > 2e-2:
-                print(f"E2ECFG {label} fwd {cfg}: WRONG, max rel diff {err:.1e}", flush=True)
-                continue
-            fwd_graphs[cfg] = capture_graph(step)
+            graph = _checked_graph(f"{label} fwd {cfg}", functools.partial(fwd, config=cfg), [out], ref_fwd)
+            if graph is not None:
+                fwd_graphs[cfg] = graph
         fwd()  # the default's out and lse feed every backward
         atomic = attention_bwd.use_atomic_dq(D, p, False, False)
         default = attention_bwd.default_configs(D, p, atomic)
@@ -511,17 +518,9 @@ def run_e2e_configs(args):
         bwd_graphs = {}
         for cfg, dq_cfg in pairs:
             step = functools.partial(bwd, config=(cfg, dq_cfg))
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001
-                print(f"E2ECFG {label} bwd {cfg} dq {dq_cfg}: failed {type(e).__name__}: {str(e)[:120]}",
-                      flush=True)
-                continue
-            err = _close(grads, ref_bwd)
-            if err > 2e-2:
-                print(f"E2ECFG {label} bwd {cfg} dq {dq_cfg}: WRONG, max rel diff {err:.1e}", flush=True)
-                continue
-            bwd_graphs[(cfg, dq_cfg)] = capture_graph(step)
+            graph = _checked_graph(f"{label} bwd {cfg} dq {dq_cfg}", step, grads, ref_bwd)
+            if graph is not None:
+                bwd_graphs[(cfg, dq_cfg)] = graph
         fwd_graphs["default"] = capture_graph(fwd)
         bwd_graphs["default"] = capture_graph(bwd)
         print(f"E2ECFG {label} defaults: bwd {default}, atomic dQ {atomic}", flush=True)

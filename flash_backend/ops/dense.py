@@ -46,6 +46,7 @@ from torch.library import triton_op, wrap_triton
 from flash_backend import _cpp_build
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
+from flash_backend.ops._eager import plain_launch
 from flash_backend.ops.add_dropout_norm import _sm_count
 
 log = logging.getLogger("flash_backend")
@@ -203,7 +204,7 @@ TRITON_CONFIGS = ((128, 256, 64, 8, 8, 3),)
 
 
 def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str, store_pre: bool,
-                       config: tuple = TRITON_CONFIGS[0], launch=None) -> tuple[Tensor, Tensor]:
+                       config: tuple = TRITON_CONFIGS[0], launch=plain_launch) -> tuple[Tensor, Tensor]:
     """(gelu(x @ weight.T + bias), the pre-activation or an empty tensor) for 2-D x: the Triton kernel.
     `launch` wraps the kernel (wrap_triton inside the ops)."""
     rows, k = x.shape
@@ -214,7 +215,7 @@ def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approxima
         return out, pre
     block_m, block_n, block_k, group_m, warps, stages = config
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
-    (launch or (lambda k: k))(_linear_gelu_fwd_kernel)[grid](
+    launch(_linear_gelu_fwd_kernel)[grid](
         x, weight, bias if bias is not None else out, out, pre if store_pre else out, rows, n, x.stride(0),
         weight.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         HAS_BIAS=bias is not None, APPROXIMATE_TANH=approximate == "tanh", STORE_PRE=store_pre,
@@ -223,7 +224,7 @@ def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approxima
 
 
 def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str,
-                          store_pre: bool, launch=None) -> tuple[Tensor, Tensor]:
+                          store_pre: bool) -> tuple[Tensor, Tensor]:
     if approximate == "tanh":
         return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
     pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
@@ -254,12 +255,12 @@ def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per
 
 
 def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_dbias: bool = True,
-                        config: tuple = GELU_BWD_CONFIG, launch=None) -> tuple[Tensor, Tensor | None]:
+                        config: tuple = GELU_BWD_CONFIG, launch=plain_launch) -> tuple[Tensor, Tensor | None]:
     """(grad_out * gelu'(pre), its column sums or None) for contiguous 2-D (M, N) tensors, in one pass.
 
     The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed here; they are
     returned in pre's dtype, as eager's `grad_pre.sum(0)`. `launch` wraps the kernel (wrap_triton inside
-    the ops)."""
+    the ops' bodies)."""
     m, n = pre.shape
     block_m, block_n, warps, per_sm, stages, poly_cdf = config
     block_n = min(block_n, triton.next_power_of_2(n))
@@ -273,7 +274,7 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     rows_per_program = _row_chunks(pre.device, m, col_blocks, block_m, per_sm)
     chunks = triton.cdiv(m, rows_per_program)
     partial = pre.new_empty((chunks, n) if with_dbias else (0,), dtype=torch.float32)
-    (launch or (lambda k: k))(_gelu_bwd_dbias_kernel)[(chunks, col_blocks)](
+    launch(_gelu_bwd_dbias_kernel)[(chunks, col_blocks)](
         grad_out, pre, grad_pre, partial, m, n, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
         APPROXIMATE_TANH=approximate == "tanh", STORE_DBIAS=with_dbias, STAGES=stages,
         POLY_CDF=poly_cdf, num_warps=warps)
@@ -309,10 +310,12 @@ def _time_ms(fn, reps: int = 10) -> float:
 
 
 def _forward_implementations() -> dict:
-    """name -> fn(x, weight, bias, approximate, store_pre): what each problem's first call times."""
+    """name -> fn(x, weight, bias, approximate, store_pre): what each problem's first call times. The Triton
+    kernels go through wrap_triton, as the ops' bodies need (it launches directly outside tracing)."""
     impls = {"cublaslt": _cublaslt_linear_gelu}
     for config in TRITON_CONFIGS:
-        impls["triton" + "x".join(map(str, config))] = functools.partial(triton_linear_gelu, config=config)
+        impls["triton" + "x".join(map(str, config))] = functools.partial(triton_linear_gelu, config=config,
+                                                                          launch=wrap_triton)
     return impls
 
 
@@ -334,9 +337,9 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
     args = (x, weight, bias, approximate, store_pre)
     if is_fake(x):
         if approximate == "none":
-            pre = F.linear(x, weight, bias)
-            return F.gelu(pre), (pre if store_pre else x.new_empty(0))
-        return _FORWARDS["cublaslt"](*args, launch=wrap_triton)
+            out, pre = dense_gelu_reference(x, weight, bias, approximate)
+            return out, (pre if store_pre else x.new_empty(0))
+        return _FORWARDS["cublaslt"](*args)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
     name = _forward_choice.get(key)
@@ -349,7 +352,7 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
         log.info("flash dense: %s for M~%d K=%d N=%d %s%s (ms: %s)", name, key[2], key[3], key[4],
                  approximate, " training" if store_pre else "",
                  ", ".join(f"{n} {t:.4f}" for n, t in times.items()))
-    return _FORWARDS[name](*args, launch=wrap_triton)
+    return _FORWARDS[name](*args)
 
 
 def _cuda_wgrad_bgrad(grad_pre_2d: Tensor, x: Tensor, weight: Tensor,
