@@ -4,6 +4,7 @@ max-autotune and torch._addmm_activation (forward only), forward and forward+bac
 
     python bench/bench_dense.py [--approximate tanh,none] [--autotune-shapes 2] [--autotune-budget-s 240]
     python bench/bench_dense.py --gelu-backward   # GELU's backward pass alone, and its launch sweep
+    python bench/bench_dense.py --gelu-forward    # the erf GELU's forward pass alone, against a copy
 
 Two timings per row: `ms`, the call from Python (do_bench), and `graph_ms`, the same step captured in a
 CUDA graph and replayed: the GPU time alone. At K=768 the Python side of every implementation is as long
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import Results, bench_ms, graph_ms, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, capture_graph, graph_ms, interleaved_graph_us, markdown_table  # noqa: E402
 from flash_backend.ops.dense import linear_bias_gelu  # noqa: E402
 
 # (K, N): GPT-2 small, GPT-2 XL, a 4096-wide model; M = tokens per step.
@@ -225,6 +226,53 @@ def gelu_backward_sweep():
     print(f"wrote {results.write()}")
 
 
+# (BLOCK, num_warps, polynomial CDF) candidates of the erf GELU's forward pass; the last is libdevice's erf.
+GELU_FWD_CANDIDATES = [(1024, 4, True), (2048, 4, True), (2048, 8, True), (4096, 8, True), (2048, 8, False)]
+
+
+def _gelu_forward_at(results: Results, pre: torch.Tensor) -> dict:
+    """GPU time of each implementation of the erf GELU's forward on pre, CUDA graphs timed interleaved:
+    {name: us}; each one's max abs error against fp64 goes into its row."""
+    from flash_backend.ops import dense
+
+    m, n = pre.shape
+    out = torch.empty_like(pre)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: F.gelu(t), dynamic=False)
+    impls = {"copy": lambda: out.copy_(pre), "aten": lambda: F.gelu(pre), "inductor": lambda: compiled(pre)}
+    for c in GELU_FWD_CANDIDATES:
+        impls["flash_" + "x".join(map(str, c))] = lambda c=c: dense.gelu_erf_forward(pre, out, config=c)
+    expected = F.gelu(pre.double())
+    errors = {impl: (fn().double() - expected).abs().max().item()
+              for impl, fn in impls.items() if impl != "copy"}
+    us = interleaved_graph_us({impl: capture_graph(fn) for impl, fn in impls.items()})
+    moved = 2 * pre.numel() * pre.element_size()
+    case = {"M": m, "N": n, "dtype": "bf16", "approximate": "none"}
+    for impl, t in us.items():
+        results.add(impl, "fwd", case, t / 1e3, tbps=moved / t / 1e6, graph_ms=t / 1e3,
+                    max_abs_err=errors.get(impl))
+    cells = [f"{impl} {t:.1f} us ({moved / t / 1e6:.2f} TB/s, err {errors.get(impl, 0):.1e})"
+             for impl, t in us.items()]
+    print(f"M={m} N={n}: " + ", ".join(cells), flush=True)
+    return us
+
+
+def gelu_forward_sweep():
+    """The erf GELU's forward pass alone: each launch candidate of ours against aten's F.gelu, Inductor's
+    compile of it and a copy of the same bytes (the ceiling), TB/s on the bytes that must move (read pre,
+    write out); last, the candidates ranked by their geometric-mean speed over Inductor."""
+    results = Results("dense_gelu_forward")
+    ratios: dict[str, list[float]] = {}
+    for m, n in [(16384, 3072), (12608, 3072), (8192, 3072), (16384, 6400), (8192, 16384)]:
+        us = _gelu_forward_at(results, torch.randn(m, n, dtype=DTYPE, device="cuda") * 2)
+        for impl, t in us.items():
+            ratios.setdefault(impl, []).append(us["inductor"] / t)
+        results.write()
+    for impl, r in ratios.items():
+        print(f"RANK {impl:20s} x inductor: geomean {math.prod(r) ** (1 / len(r)):.3f}, min {min(r):.3f}")
+    print(f"wrote {results.write()}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--approximate", default="tanh,none")
@@ -235,7 +283,12 @@ def main():
                         help="only the forward's implementations side by side (dense_forward_paths.json)")
     parser.add_argument("--gelu-backward", action="store_true",
                         help="only GELU's backward pass and its launch sweep (dense_gelu_backward.json)")
+    parser.add_argument("--gelu-forward", action="store_true",
+                        help="only the erf GELU's forward pass and its launches (dense_gelu_forward.json)")
     args = parser.parse_args()
+    if args.gelu_forward:
+        gelu_forward_sweep()
+        return
     if args.gelu_backward:
         gelu_backward_sweep()
         return

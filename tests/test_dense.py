@@ -130,21 +130,27 @@ def test_cpu_never_builds(monkeypatch):
 
 def test_compiled_graph_traces_a_fixed_forward_and_times_nothing(monkeypatch):
     """Under torch.compile the ops' bodies are traced (triton_op) with fake tensors: the forward must take
-    its fixed traced path there (cuBLASLt for tanh, F.linear + F.gelu for erf), never time implementations
-    on fake tensors, and the traced graph must compute what eager does. The CPU stands in for CUDA:
-    cuBLASLt is reported available and replaced by the reference."""
+    its fixed traced path there (cuBLASLt for tanh, F.linear + our erf GELU pass for erf), never time
+    implementations on fake tensors, and the traced graph must compute what eager does. The CPU stands in
+    for CUDA: cuBLASLt is reported available and replaced by the reference, the GELU pass by F.gelu (the
+    interpreter cannot launch on fake tensors; the pass itself is tested below)."""
     calls = []
 
     def cublaslt_stand_in(x, weight, bias, approximate, store_pre, launch=None):
-        calls.append(dense.is_fake(x))
+        calls.append(("cublaslt", dense.is_fake(x)))
         out, pre = dense_gelu_reference(x, weight, bias, approximate)
         return out, (pre if store_pre else x.new_empty(0))
+
+    def gelu_pass_stand_in(pre, out=None, launch=None):
+        calls.append(("gelu_pass", dense.is_fake(pre)))
+        return F.gelu(pre)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed an implementation while tracing")
 
     monkeypatch.setattr(dense, "_cublaslt_ok", lambda x, weight: True)
     monkeypatch.setattr(dense, "_FORWARDS", {"cublaslt": cublaslt_stand_in, "triton": no_timing})
+    monkeypatch.setattr(dense, "gelu_erf_forward", gelu_pass_stand_in)
     monkeypatch.setattr(dense, "_time_ms", no_timing)
     x, w, b = _inputs((3, 5, 16), 24)
     for approximate in ("tanh", "none"):
@@ -152,10 +158,9 @@ def test_compiled_graph_traces_a_fixed_forward_and_times_nothing(monkeypatch):
         fn = lambda x, w, b, approximate=approximate: torch.ops.flash.dense_gelu_fwd(x, w, b, approximate)
         torch._dynamo.reset()
         got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, w, b)
-        if approximate == "tanh":
-            assert calls and all(calls), calls  # traced with fake tensors, and only through cuBLASLt
-        else:
-            assert not calls  # erf: F.linear + F.gelu, what Inductor runs unfused (the op's docstring)
+        # traced with fake tensors only; tanh through cuBLASLt's epilogue, erf through F.linear + the pass
+        expected = "cublaslt" if approximate == "tanh" else "gelu_pass"
+        assert calls and all(call == (expected, True) for call in calls), calls
         want = dense_gelu_reference(x, w, b, approximate)
         for g, r in zip(got, want, strict=True):
             torch.testing.assert_close(g, r)
@@ -388,3 +393,44 @@ def test_cuda_gelu_backward_pass(approximate, dtype, shape):
             # the bias gradient sums M rounded values: its error grows with sqrt(M) in either order
             bound = 2 * eager + floor * (shape[0] ** 0.5 if name == "grad_bias" else 1.0)
             assert ours <= bound, (config, name, ours, eager)
+
+
+def _gelu_forward_errors(pre, config):
+    """(our max error, eager's max error) of the erf GELU's forward pass against fp64; eager is F.gelu in
+    pre's dtype. Also checks the pass in place gives the same values."""
+    exact = F.gelu(pre.double())
+    ours = dense.gelu_erf_forward(pre, config=config)
+    assert ours.shape == pre.shape and ours.dtype == pre.dtype
+    in_place = pre.clone()
+    assert dense.gelu_erf_forward(in_place, out=in_place, config=config) is in_place
+    assert torch.equal(in_place, ours)
+    if pre.numel() == 0:
+        return 0.0, 0.0
+    return (ours.double() - exact).abs().max().item(), (F.gelu(pre).double() - exact).abs().max().item()
+
+
+# (BLOCK, num_warps, polynomial CDF): a block smaller than the tensors (ragged last block), both CDFs.
+_SMALL_GELU_FWD_CONFIGS = [(16, 1, True), (64, 2, False)]
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("shape", [(37, 40), (5, 1), (1, 8), (0, 8)])
+def test_interpret_gelu_forward_pass(interpreter, shape):
+    # fp32 only: the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest (the cuda test's)
+    pre = torch.randn(shape) * 3  # into both tails, where the CDF saturates and the cancellation is
+    pre.view(-1)[:3] = torch.tensor([-9.0, 9.0, 0.0])[: pre.numel()]
+    for config in _SMALL_GELU_FWD_CONFIGS:
+        ours, eager = _gelu_forward_errors(pre, config)
+        assert ours <= 2 * eager + 1e-6, (config, ours, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(97, 3072), (4099, 1000), (16384, 768), (3, 5)])
+def test_cuda_gelu_forward_pass(dtype, shape):
+    pre = torch.randn(shape, dtype=dtype, device="cuda") * 3
+    floor = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-6}[dtype]
+    for config in (dense.GELU_FWD_CONFIG, *_SMALL_GELU_FWD_CONFIGS, (4096, 8, True)):
+        ours, eager = _gelu_forward_errors(pre, config)
+        assert ours <= 2 * eager + floor, (config, ours, eager)

@@ -1,4 +1,5 @@
-"""GELU's backward with the bias gradient in one pass, for flash::dense_gelu_bwd (ops/dense.py).
+"""The erf GELU's forward pass, and GELU's backward with the bias gradient in one pass, for the
+flash::dense_gelu_* ops (ops/dense.py).
 
 A lone Linear + GELU has no GEMM whose output is the gradient of the activation (that GEMM belongs to the
 next layer), so GELU' cannot ride in a cuBLASLt epilogue. It takes one pass over (M, N): grad_pre =
@@ -15,6 +16,13 @@ reduction, deterministic, no atomics). They are sums of grad_pre as stored (roun
 which is what eager's `grad_pre.sum(0)` sums.
 
 GELU' is computed in fp32 and grad_pre rounded once to the output dtype, as aten's gelu_backward does.
+
+The forward pass exists for the exact (erf) GELU, which no cuBLASLt epilogue computes (the GEMM writes the
+pre-activation, this pass the activation). libdevice's erf is ~30 instructions, two branches that a warp of
+mixed-sign inputs runs both of: the elementwise pass then runs at ~65 % of copy speed (Inductor's and aten's
+alike, bench/NOTES_dense.md). The normal CDF by Abramowitz & Stegun 7.1.26 (one exp, one reciprocal, five
+FMAs, no branch) is accurate to 7.5e-8 absolute, which is finer than fp32's own cancellation in aten's
+0.5 x (1 + erf(x / sqrt 2)) for negative x.
 """
 
 import triton
@@ -23,6 +31,17 @@ import triton.language as tl
 from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI
 
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+
+
+@triton.jit
+def _normal_cdf_poly(x, gauss):
+    """Phi(x) in fp32 from x and gauss = exp(-x^2 / 2), by the normal tail P(Z > |x|) = 0.5 erfc(|x| / sqrt 2)
+    of Abramowitz & Stegun 7.1.26, whose e^(-z^2) is gauss: absolute error <= 7.5e-8. The tail form keeps Phi
+    accurate for negative x (no 1 - 1 cancels)."""
+    t = 1.0 / (1.0 + 0.2316418882 * tl.abs(x))  # A&S's p = 0.3275911 times 1 / sqrt 2
+    tail = 0.5 * gauss * t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
+        -1.453152027 + t * 1.061405429))))
+    return tl.where(x >= 0, 1.0 - tail, tail)
 
 
 @triton.jit
@@ -37,18 +56,31 @@ def _gelu_grad(x, APPROXIMATE_TANH: tl.constexpr, POLY_CDF: tl.constexpr):
     # gelu(x) = x * Phi(x): gelu' = Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
     gauss = tl.exp(-0.5 * x * x)
     if POLY_CDF:
-        # The normal tail P(Z > |x|) = 0.5 erfc(|x| / sqrt 2) by Abramowitz & Stegun 7.1.26, whose e^(-z^2)
-        # is the exp above: one exp for both terms instead of libdevice's erf (~30 instructions) and an exp,
-        # which made the pass compute-bound at ~40 instructions per 6 bytes moved. Absolute error of
-        # gelu' <= 3e-7 in fp32 (libdevice's erf: 1.4e-7), under the 1/256 .. 1/2048 relative rounding of
-        # the bf16 / fp16 result; the tail form also keeps Phi accurate for negative x (no 1 - 1 cancels).
-        t = 1.0 / (1.0 + 0.2316418882 * tl.abs(x))  # A&S's p = 0.3275911 times 1 / sqrt 2
-        tail = 0.5 * gauss * t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
-            -1.453152027 + t * 1.061405429))))
-        cdf = tl.where(x >= 0, 1.0 - tail, tail)
+        # One exp for both terms instead of libdevice's erf (~30 instructions) and an exp, which made the
+        # pass compute-bound at ~40 instructions per 6 bytes moved. Absolute error of gelu' <= 3e-7 in fp32
+        # (libdevice's erf: 1.4e-7), under the 1/256 .. 1/2048 relative rounding of the bf16 / fp16 result.
+        cdf = _normal_cdf_poly(x, gauss)
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(x * SQRT_1_2))
     return cdf + x * INV_SQRT_2PI * gauss
+
+
+@triton.jit
+def _gelu_erf_fwd_kernel(
+    PRE,  # (numel,) pre-activation, contiguous
+    OUT,  # (numel,) out: gelu(pre) (erf), contiguous; may be PRE itself (in place)
+    numel,
+    BLOCK: tl.constexpr,
+    POLY_CDF: tl.constexpr,  # the CDF by _normal_cdf_poly; else libdevice's erf (for the A/B in bench_dense)
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offs < numel
+    x = tl.load(PRE + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    if POLY_CDF:
+        y = x * _normal_cdf_poly(x, tl.exp(-0.5 * x * x))
+    else:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * SQRT_1_2))
+    tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit

@@ -13,9 +13,10 @@ GEMM (bench/NOTES_dense.md), and it stays only for flash::dense_bias_bwd, which 
 
 Exact GELU. cuBLASLt's GELU epilogues compute the tanh approximation only (checked on the H200 by
 tests/test_dense.py::test_cublaslt_gelu_epilogue_is_tanh). approximate="none" is therefore never sent
-through them: it takes the BIAS epilogue (which writes the pre-activation) and aten's erf GELU pass (a
-Triton pass measured 0.9x of it); backward uses the erf derivative. So the exact model stays exact, at the
-cost of one elementwise pass.
+through them: the GEMM writes the pre-activation and an elementwise pass computes the erf GELU
+(`gelu_erf_forward`: the normal CDF by a polynomial sharing one exp, accurate to 7.5e-8; 1.26-1.31x
+Inductor's GELU pass and 1.14-1.17x aten's on the H200, which spend libdevice's erf and run compute-bound);
+backward uses the erf derivative. So the exact model stays exact, at the cost of one elementwise pass.
 
 Triton path. The forward has a second implementation: a Triton matmul whose epilogue adds the bias,
 computes either GELU (erf too) and stores the activation and the pre-activation
@@ -44,7 +45,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from flash_backend import _cpp_build
-from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel
+from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_erf_fwd_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
 from flash_backend.ops._eager import plain_launch
 from flash_backend.ops.add_dropout_norm import _sm_count
@@ -229,8 +230,32 @@ def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approx
         return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
     pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
     if store_pre:
-        return F.gelu(pre, approximate="none"), pre
-    return torch.ops.aten.gelu_(pre, approximate="none"), x.new_empty(0)
+        return gelu_erf_forward(pre, launch=wrap_triton), pre
+    return gelu_erf_forward(pre, out=pre, launch=wrap_triton), x.new_empty(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The erf GELU's forward pass (flash_backend/kernels/gelu_kernels.py)
+# --------------------------------------------------------------------------------------------------
+
+# (BLOCK, num_warps, erf GELU's CDF by polynomial) of the forward pass. H200 (bench_dense.py --gelu-forward,
+# bench/logs/dense_gelu_forward_h200.log, 5 shapes from 8192 x 3072 to 16384 x 6400, bf16): 2048 x 4 warps
+# 1.26-1.31x Inductor's GELU pass, 3.2-3.6 TB/s against a copy's 3.8-4.2; 4096 x 8 1.24-1.26x, 1024 x 4 and
+# 2048 x 8 1.20-1.22x; libdevice's erf at 2048 x 8 1.01x (it is the erf, not the launch).
+GELU_FWD_CONFIG = (2048, 4, True)
+
+
+def gelu_erf_forward(pre: Tensor, out: Tensor | None = None, config: tuple = GELU_FWD_CONFIG,
+                     launch=plain_launch) -> Tensor:
+    """F.gelu(pre) (erf) for a contiguous pre, into `out` (a new tensor if None; pre itself works: in
+    place). `launch` wraps the kernel (wrap_triton inside the ops' bodies)."""
+    out = torch.empty_like(pre) if out is None else out
+    numel = pre.numel()
+    if numel:
+        block, warps, poly_cdf = config
+        launch(_gelu_erf_fwd_kernel)[(triton.cdiv(numel, block),)](
+            pre, out, numel, BLOCK=block, POLY_CDF=poly_cdf, num_warps=warps)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,15 +355,15 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
     depend on which eager calls happened to run before it) the choice is fixed:
     - tanh GELU: cuBLASLt's GELU_AUX_BIAS epilogue, one GEMM and no pass (the H200 picked cuBLASLt for every
       (768, 3072) problem once the timing bracketed GPU work only, bench/NOTES_dense.md);
-    - erf GELU: F.linear then F.gelu, i.e. what Inductor runs unfused (its addmm and its own fused GELU
-      pass). cuBLASLt's BIAS epilogue does the same work, and in ViT-base's step (M = 12608) the fused
-      graph measured 22.4 ms against 20.3 without the rewrite (bench/logs/e2e_dense_default_h200.log,
-      386618f); the erf rewrite's gain is the backward's one-pass GELU' and bias gradient."""
+    - erf GELU: F.linear (Inductor's addmm) then our erf GELU pass (`gelu_erf_forward`, 1.26-1.31x
+      Inductor's own GELU pass: bench/results/dense_gelu_forward.json). cuBLASLt's BIAS epilogue in place of
+      the addmm measured slower in ViT-base's step (M = 12608): 22.4 ms against 20.3 without the rewrite
+      (bench/logs/e2e_dense_default_h200.log, 386618f)."""
     args = (x, weight, bias, approximate, store_pre)
     if is_fake(x):
         if approximate == "none":
-            out, pre = dense_gelu_reference(x, weight, bias, approximate)
-            return out, (pre if store_pre else x.new_empty(0))
+            pre = F.linear(x, weight, bias)
+            return gelu_erf_forward(pre, launch=wrap_triton), (pre if store_pre else x.new_empty(0))
         return _FORWARDS["cublaslt"](*args)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
