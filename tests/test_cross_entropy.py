@@ -157,6 +157,13 @@ def test_bad_input_is_named():
     target[2] = 11
     with pytest.raises(IndexError, match=r"outside \[0, 11\)"):
         linear_cross_entropy(x, weight, bias, target)
+    # Traced, the op's body runs the reference without its data-dependent range check: the gather of the
+    # out-of-range class must still raise, not return a loss.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, t: linear_cross_entropy(x, weight, bias, t)[0], backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        compiled(x, target)
 
 
 # ---------------------------------------------------------------------- Triton kernels, interpreter

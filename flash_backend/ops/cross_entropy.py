@@ -38,8 +38,10 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
 from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
+from flash_backend.ops._eager import plain_launch
 from flash_backend.ops.dense import cublaslt_ready
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "padded_classes"]
@@ -64,11 +66,14 @@ def _empty_logits(rows: int, num_classes: int, like: Tensor) -> Tensor:
 
 def linear_cross_entropy_reference(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                                    ignore_index: int = -100, label_smoothing: float = 0.0,
-                                   upcast: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                   upcast: bool = False, check_targets: bool = True
+                                   ) -> tuple[Tensor, Tensor, Tensor]:
     """(logits (M, V), per-row loss (M,) fp32, logsumexp (M,) fp32) for x (M, K), weight (V, K), target (M,).
 
     The logits are in x's dtype (fp32 with `upcast`); the loss is computed from them in fp32. An ignored
     row has loss 0 and logsumexp 0: nothing reads it (its gradient is 0), so the kernel skips its logits.
+    `check_targets=False` drops the explicit class-range check, a data-dependent branch that a traced graph
+    cannot hold; there the gather of an out-of-range class raises instead.
     """
     if upcast:
         x, weight = x.float(), weight.float()
@@ -78,7 +83,7 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
     num_classes = z.shape[-1]
     ignored = target == ignore_index
     out_of_range = ~ignored & ((target < 0) | (target >= num_classes))
-    if out_of_range.any():
+    if check_targets and out_of_range.any():
         raise IndexError(f"flash linear_cross_entropy: target holds class indices outside [0, {num_classes}) "
                          f"that are not ignore_index ({ignore_index})")
     lse = torch.logsumexp(z, dim=-1)
@@ -168,15 +173,16 @@ def _bwd_config(num_classes: int) -> tuple[int, int, int]:
     return block, max(1, min(8, block // 128)), 128
 
 
-def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int,
-                             label_smoothing: float) -> tuple[Tensor, Tensor]:
-    """(loss (M,) fp32, lse (M,) fp32) of logits (M, V) with unit column stride."""
+def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                             launch=plain_launch) -> tuple[Tensor, Tensor]:
+    """(loss (M,) fp32, lse (M,) fp32) of logits (M, V) with unit column stride. `launch` wraps the kernel
+    (wrap_triton inside the ops' bodies)."""
     rows, num_classes = logits.shape
     loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
     if rows:
         block, warps = _fwd_config(num_classes)
-        _cross_entropy_fwd_kernel[(rows,)](
+        launch(_cross_entropy_fwd_kernel)[(rows,)](
             logits, target, loss, lse, logits.stride(0), num_classes, ignore_index, float(label_smoothing),
             BLOCK_V=block, NUM_CHUNKS=triton.cdiv(num_classes, block), HAS_SMOOTHING=label_smoothing != 0.0,
             num_warps=warps)
@@ -185,9 +191,10 @@ def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int,
 
 def cross_entropy_bwd_launch(grad_loss: Tensor, grad_logits: Tensor | None, logits: Tensor, lse: Tensor,
                              target: Tensor, ignore_index: int, label_smoothing: float,
-                             bias_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                             bias_grad: bool = False, launch=plain_launch) -> tuple[Tensor, Tensor | None]:
     """(the gradient of the logits in their dtype, as whole padded rows: (M, padded_classes(V)), the
-    columns past V zero; with `bias_grad`, its column sums (V,) in fp32, else None)."""
+    columns past V zero; with `bias_grad`, its column sums (V,) in fp32, else None). `launch` as for the
+    forward."""
     rows, num_classes = logits.shape
     padded = padded_classes(num_classes)
     grad = logits.new_empty(rows, padded)
@@ -197,7 +204,7 @@ def cross_entropy_bwd_launch(grad_loss: Tensor, grad_logits: Tensor | None, logi
     if rows:
         chunks = triton.cdiv(padded, block)
         grad_in = grad_logits if grad_logits is not None else grad  # unread unless HAS_GRAD_LOGITS
-        _cross_entropy_bwd_kernel[(groups * chunks,)](
+        launch(_cross_entropy_bwd_kernel)[(groups * chunks,)](
             grad, partial, logits, lse, target, grad_loss, grad_in, grad.stride(0), logits.stride(0),
             grad_loss.stride(0), grad_in.stride(0), rows, num_classes, padded, ignore_index,
             float(label_smoothing), rows_per_group, BLOCK_V=block, CHUNKS_PER_ROW=chunks,
@@ -225,31 +232,40 @@ def _unit_columns(t: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # The ops: flash::linear_cross_entropy_fwd / _bwd
+#
+# triton_op, not custom_op: under torch.compile the bodies are traced into the graph, so Inductor launches
+# the Triton passes from its generated code and calls the GEMMs as extern kernels, instead of custom_op's
+# Python dispatch and Triton's Python launcher per call (host time that a step whose GPU work is short, as
+# ViT-base's, waits on: bench/NOTES_cross_entropy.md). Eager CPU calls take the CPU kernels registered
+# below (the reference, with its check of the targets' values); traced on CPU, the body runs the reference
+# without that check, a data-dependent branch a graph cannot hold.
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
-                             ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x (M, K), weight (V, K), bias (V,) or None, target (M,) ->
-    (logits (M, V) with rows padded to padded_classes(V), per-row loss (M,) fp32, logsumexp (M,) fp32)."""
+def _fwd_cpu(x, weight, bias, target, ignore_index, label_smoothing, check_targets=True):
     _check(x, weight, bias, target, label_smoothing)
-    logits, loss, lse = linear_cross_entropy_reference(x, weight, bias, target, ignore_index, label_smoothing)
+    logits, loss, lse = linear_cross_entropy_reference(x, weight, bias, target, ignore_index, label_smoothing,
+                                                       check_targets=check_targets)
     padded = _empty_logits(*logits.shape, logits)
     padded.copy_(logits)
     return padded, loss, lse
 
 
-@linear_cross_entropy_fwd.register_kernel("cuda")
-def _(x, weight, bias, target, ignore_index, label_smoothing):
+@triton_op("flash::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                             ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x (M, K), weight (V, K), bias (V,) or None, target (M,) ->
+    (logits (M, V) with rows padded to padded_classes(V), per-row loss (M,) fp32, logsumexp (M,) fp32)."""
     _check(x, weight, bias, target, label_smoothing)
+    if x.device.type != "cuda":  # traced on CPU (eager CPU calls take the registered CPU kernel)
+        return _fwd_cpu(x, weight, bias, target, ignore_index, label_smoothing, check_targets=False)
     num_classes = weight.shape[0]
     if _cublaslt_forward(x):
         logits = torch.ops.flash.cublaslt_linear(x.contiguous(), *_pad_classes(weight, bias))[:, :num_classes]
     else:
         logits = _empty_logits(x.shape[0], num_classes, x)
         logits.copy_(F.linear(x, weight, bias))
-    loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing)
+    loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing, launch=wrap_triton)
     return logits, loss, lse
 
 
@@ -261,11 +277,26 @@ def _(x, weight, bias, target, ignore_index, label_smoothing):
     return _empty_logits(rows, weight.shape[0], x), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("flash::linear_cross_entropy_bwd", mutates_args=())
+@triton_op("flash::linear_cross_entropy_bwd", mutates_args=())
 def linear_cross_entropy_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: Tensor, weight: Tensor,
                              logits: Tensor, lse: Tensor, target: Tensor, ignore_index: int,
                              label_smoothing: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_x (M, K), grad_weight (V, K), grad_bias (V,), or (0,) without a bias)."""
+    if x.device.type != "cuda":  # traced on CPU (eager CPU calls take the registered CPU kernel)
+        return _bwd_cpu(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing,
+                        has_bias)
+    _check_bwd(grad_loss, grad_logits, x, weight)
+    grad_logits = _unit_columns(grad_logits) if grad_logits is not None else None
+    grad, grad_bias = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target,
+                                               ignore_index, label_smoothing, bias_grad=has_bias,
+                                               launch=wrap_triton)
+    grad_bias = grad_bias.to(x.dtype) if has_bias else x.new_empty(0)
+    # The padded rows whole (zero past V) with the zero-padded weight: every GEMM dimension a multiple of 8.
+    padded_weight, _ = _pad_classes(weight, None)
+    return grad @ padded_weight, (grad.t() @ x)[:weight.shape[0]], grad_bias
+
+
+def _bwd_cpu(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing, has_bias):
     _check_bwd(grad_loss, grad_logits, x, weight)
     grad = _grad_logits_reference(grad_loss, grad_logits, logits, lse, target, ignore_index,
                                   label_smoothing).to(x.dtype)
@@ -273,16 +304,8 @@ def linear_cross_entropy_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: T
     return grad @ weight, grad.t() @ x, grad_bias
 
 
-@linear_cross_entropy_bwd.register_kernel("cuda")
-def _(grad_loss, grad_logits, x, weight, logits, lse, target, ignore_index, label_smoothing, has_bias):
-    _check_bwd(grad_loss, grad_logits, x, weight)
-    grad_logits = _unit_columns(grad_logits) if grad_logits is not None else None
-    grad, grad_bias = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target,
-                                               ignore_index, label_smoothing, bias_grad=has_bias)
-    grad_bias = grad_bias.to(x.dtype) if has_bias else x.new_empty(0)
-    # The padded rows whole (zero past V) with the zero-padded weight: every GEMM dimension a multiple of 8.
-    padded_weight, _ = _pad_classes(weight, None)
-    return grad @ padded_weight, (grad.t() @ x)[:weight.shape[0]], grad_bias
+linear_cross_entropy_fwd.register_kernel("cpu")(_fwd_cpu)
+linear_cross_entropy_bwd.register_kernel("cpu")(_bwd_cpu)
 
 
 @linear_cross_entropy_bwd.register_fake
