@@ -28,7 +28,7 @@ FMAs, no branch) is accurate to 7.5e-8 absolute, which is finer than fp32's own 
 import triton
 import triton.language as tl
 
-from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI
+from flash_backend.kernels.linear_gelu_kernels import SQRT_1_2, TWO_SQRT_2_PI, _gelu
 
 INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 
@@ -79,7 +79,7 @@ def _gelu_erf_fwd_kernel(
     if POLY_CDF:
         y = x * _normal_cdf_poly(x, tl.exp(-0.5 * x * x))
     else:
-        y = 0.5 * x * (1.0 + tl.math.erf(x * SQRT_1_2))
+        y = _gelu(x, False)  # libdevice's erf, as the Triton matmul's epilogue computes it
     tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=in_bounds)
 
 

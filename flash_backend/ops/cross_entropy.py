@@ -256,9 +256,9 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, tar
                              ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
     """x (M, K), weight (V, K), bias (V,) or None, target (M,) ->
     (logits (M, V) with rows padded to padded_classes(V), per-row loss (M,) fp32, logsumexp (M,) fp32)."""
-    _check(x, weight, bias, target, label_smoothing)
     if x.device.type != "cuda":  # traced on CPU (eager CPU calls take the registered CPU kernel)
         return _fwd_cpu(x, weight, bias, target, ignore_index, label_smoothing, check_targets=False)
+    _check(x, weight, bias, target, label_smoothing)
     num_classes = weight.shape[0]
     if _cublaslt_forward(x):
         logits = torch.ops.flash.cublaslt_linear(x.contiguous(), *_pad_classes(weight, bias))[:, :num_classes]

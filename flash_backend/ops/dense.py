@@ -228,10 +228,7 @@ def _cublaslt_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approx
                           store_pre: bool) -> tuple[Tensor, Tensor]:
     if approximate == "tanh":
         return torch.ops.flash.cublaslt_linear_gelu_tanh(x, weight, bias, store_pre)
-    pre = torch.ops.flash.cublaslt_linear(x, weight, bias)
-    if store_pre:
-        return gelu_erf_forward(pre, launch=wrap_triton), pre
-    return gelu_erf_forward(pre, out=pre, launch=wrap_triton), x.new_empty(0)
+    return _erf_gelu_after(torch.ops.flash.cublaslt_linear(x, weight, bias), store_pre)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,6 +253,14 @@ def gelu_erf_forward(pre: Tensor, out: Tensor | None = None, config: tuple = GEL
         launch(_gelu_erf_fwd_kernel)[(triton.cdiv(numel, block),)](
             pre, out, numel, BLOCK=block, POLY_CDF=poly_cdf, num_warps=warps)
     return out
+
+
+def _erf_gelu_after(pre: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
+    """(gelu(pre), pre or an empty tensor) for a GEMM's output pre: the erf forward's second half, in place
+    when the pre-activation is not kept."""
+    if store_pre:
+        return gelu_erf_forward(pre, launch=wrap_triton), pre
+    return gelu_erf_forward(pre, out=pre, launch=wrap_triton), pre.new_empty(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,8 +367,7 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
     args = (x, weight, bias, approximate, store_pre)
     if is_fake(x):
         if approximate == "none":
-            pre = F.linear(x, weight, bias)
-            return gelu_erf_forward(pre, launch=wrap_triton), (pre if store_pre else x.new_empty(0))
+            return _erf_gelu_after(F.linear(x, weight, bias), store_pre)
         return _FORWARDS["cublaslt"](*args)
     key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
