@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_backend.ops.add_dropout_norm as adn
+from flash_backend.ops._philox import dropout_scale
 from flash_backend.ops.add_dropout_norm import add_dropout_norm, dropout_keep_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -36,7 +37,7 @@ def _eager(x, r, w, b, keep, p, eps, rms, upcast=False):
     x, r, w, b = cast(x), cast(r), cast(w), cast(b)
     h = x
     if p > 0:
-        h = torch.where(keep.reshape(x.shape), x * (1.0 / (1.0 - p)), 0.0).to(x.dtype)
+        h = torch.where(keep.reshape(x.shape), x * dropout_scale(p), 0.0).to(x.dtype)
     if r is not None:
         h = h + r
     n = x.shape[-1]
@@ -215,13 +216,15 @@ def _check_dropout_statistics(p, device, shape):
     numel = h.numel()
     sigma = (p * (1 - p) / numel) ** 0.5
     assert abs(kept.float().mean().item() - (1 - p)) < 5 * sigma
-    torch.testing.assert_close(h[kept], torch.full_like(h[kept], 1 / (1 - p)))
-    # No structure: rows, columns and lanes within a Philox quad all keep about 1 - p.
+    # Kept values are scaled by the inverse of the exact keep probability of p quantised to 1/65536.
+    torch.testing.assert_close(h[kept], torch.full_like(h[kept], dropout_scale(p)))
+    assert abs(dropout_scale(p) - 1 / (1 - p)) <= 2**-16 / (1 - p) ** 2
+    # No structure: rows, columns and the 8 columns served by one Philox call all keep about 1 - p.
     for dim_mean in (kept.float().mean(0), kept.float().mean(1)):
         n_per = numel // dim_mean.numel()
         assert (dim_mean - (1 - p)).abs().max().item() < 6 * (p * (1 - p) / n_per) ** 0.5
-    lanes = kept[:, : shape[1] // 4 * 4].reshape(shape[0], -1, 4).float().mean((0, 1))
-    assert (lanes - (1 - p)).abs().max().item() < 6 * (p * (1 - p) / (numel / 4)) ** 0.5
+    lanes = kept[:, : shape[1] // 8 * 8].reshape(shape[0], -1, 8).float().mean((0, 1))
+    assert (lanes - (1 - p)).abs().max().item() < 6 * (p * (1 - p) / (numel / 8)) ** 0.5
     # Neighbouring rows do not share a mask.
     assert (kept[1:] != kept[:-1]).float().mean().item() > p * (1 - p)
 

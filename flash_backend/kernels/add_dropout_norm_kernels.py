@@ -9,8 +9,10 @@ that prefetches the next row into registers by hand, PREFETCH) or as a [ROWS_PER
 which puts several rows' loads in flight before the block-wide reductions stall the program. Chunked rows
 first compute every row's two reductions, then go chunk-major so the chunk's dW/dB still stay in
 registers.
-Dropout: Philox (`tl.randint4x`), one call per 4 columns, counter = row * cdiv(N, 4) + col // 4, keep when
-the top 24 bits of the word are >= round(p * 2**24); `dropout_keep_mask` in the op file is the same in torch.
+Dropout: Philox-4x32-7 (`tl.randint4x`), one call per 8 columns, counter = row * cdiv(N, 8) + col // 8;
+column col takes the 16-bit half col % 2 (low half first) of word (col % 8) // 2 and is kept when that half is
+>= round(p * 65536); `dropout_keep_mask` in the op file is the same in torch. (It was one 10-round call per
+4 columns with 24-bit thresholds: Philox's integer work was ~20% of the forward at N=768.)
 """
 
 import triton
@@ -37,33 +39,42 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N: tl.constexpr):
-    """Keep-mask of BLOCK_N columns from col_start (a multiple of 4): one Philox call per 4 columns."""
-    quads = col_start // 4 + tl.arange(0, BLOCK_N // 4)
-    r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_N,))
-    return (r >> (32 - 24)).to(tl.int32) >= threshold
+def _halves_at_least(r0, r1, r2, r3, threshold, SHAPE: tl.constexpr):
+    """Keep-mask from Philox words of one call per 8 columns, laid out as SHAPE: column 8c + 2w + e takes
+    half e of word w of call c."""
+    # join appends a minor axis: join(join(r0, r2), join(r1, r3)) flattens to the words in order 0..3.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), SHAPE)
+    return halves.to(tl.int32) >= threshold  # halves < 2**16: the cast keeps the value
 
 
 @triton.jit
-def _dropout_keep_rows(seed, rows, n_quads, threshold, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_keep(seed, row, col_start, n_calls, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask of BLOCK_N columns from col_start (a multiple of 8): one Philox-4x32-7 call per 8 columns."""
+    calls = col_start // 8 + tl.arange(0, BLOCK_N // 8)
+    # 7 rounds: DROPOUT_PHILOX_ROUNDS of ops/_philox.py (a literal: n_rounds must be a compile-time constant).
+    r0, r1, r2, r3 = tl.randint4x(seed, row * n_calls + calls, n_rounds=7)
+    return _halves_at_least(r0, r1, r2, r3, threshold, (BLOCK_N,))
+
+
+@triton.jit
+def _dropout_keep_rows(seed, rows, n_calls, threshold, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """_dropout_keep of the first BLOCK_N columns of each of `rows` (int64): the same counters, so the same
     mask as the one-row form."""
-    quads = tl.arange(0, BLOCK_N // 4)
-    r0, r1, r2, r3 = tl.randint4x(seed, rows[:, None] * n_quads + quads[None, :])
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (ROWS, BLOCK_N))
-    return (r >> (32 - 24)).to(tl.int32) >= threshold
+    calls = tl.arange(0, BLOCK_N // 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, rows[:, None] * n_calls + calls[None, :], n_rounds=7)
+    return _halves_at_least(r0, r1, r2, r3, threshold, (ROWS, BLOCK_N))
 
 
 @triton.jit
-def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, threshold, dropout_scale,
+def _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_calls, threshold, dropout_scale,
                      stride_x_row, stride_res_row, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      HAS_DROPOUT: tl.constexpr):
     cols = col_start + tl.arange(0, BLOCK_N)
     mask = cols < N
     h = tl.load(X + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        h = tl.where(_dropout_keep(seed, row, col_start, n_quads, threshold, BLOCK_N), h * dropout_scale, 0.0)
+        h = tl.where(_dropout_keep(seed, row, col_start, n_calls, threshold, BLOCK_N), h * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         h += tl.load(RESIDUAL + row * stride_res_row + cols, mask=mask, other=0.0).to(tl.float32)
     return h
@@ -85,7 +96,7 @@ def _add_dropout_norm_fwd_kernel(
     stride_out_row,
     stride_res_out_row,
     N,
-    n_quads,  # cdiv(N, 4): Philox counters per row
+    n_calls,  # cdiv(N, 8): Philox calls per row
     eps,
     dropout_threshold,
     dropout_scale,
@@ -106,7 +117,7 @@ def _add_dropout_norm_fwd_kernel(
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
-        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_quads, dropout_threshold, dropout_scale,
+        h = _dropout_add_row(X, RESIDUAL, seed, row, 0, N, n_calls, dropout_threshold, dropout_scale,
                              stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL, HAS_DROPOUT)
         if STORE_RESIDUAL_OUT:
             h = h.to(RESIDUAL_OUT.dtype.element_ty)
@@ -135,7 +146,7 @@ def _add_dropout_norm_fwd_kernel(
             col_start = c * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            h = _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_quads, dropout_threshold,
+            h = _dropout_add_row(X, RESIDUAL, seed, row, col_start, N, n_calls, dropout_threshold,
                                  dropout_scale, stride_x_row, stride_res_row, BLOCK_N, HAS_RESIDUAL,
                                  HAS_DROPOUT)
             if STORE_RESIDUAL_OUT:
@@ -251,7 +262,7 @@ def _rounded(mask, product):
 
 
 @triton.jit
-def _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
+def _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat, wdy, c1, c2, rstd, n_calls,
                        dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row,
                        BLOCK_N: tl.constexpr, IS_RMS_NORM: tl.constexpr, HAS_DRESIDUAL_OUT: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, STORE_DRESIDUAL: tl.constexpr):
@@ -267,7 +278,7 @@ def _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat
     if STORE_DRESIDUAL:
         tl.store(DRESIDUAL + row * stride_dres_row + cols, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
-        dh = tl.where(_dropout_keep(seed, row, col_start, n_quads, dropout_threshold, BLOCK_N),
+        dh = tl.where(_dropout_keep(seed, row, col_start, n_calls, dropout_threshold, BLOCK_N),
                       dh * dropout_scale, 0.0)
     tl.store(DX + row * stride_dx_row + cols, dh.to(DX.dtype.element_ty), mask=mask)
 
@@ -293,7 +304,7 @@ def _add_dropout_norm_bwd_kernel(
     M,
     rows_per_program,  # rows of each program (the last one stops at M)
     N,
-    n_quads,
+    n_calls,
     dropout_threshold,
     dropout_scale,
     # Chunked rows (NUM_CHUNKS > 1) unroll over the program's rows: there rows_per_program == this, a power
@@ -344,7 +355,7 @@ def _add_dropout_norm_bwd_kernel(
                 db += dy32
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, BLOCK_N >= 4096)
             _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
-                               wdy, c1, c2, rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
+                               wdy, c1, c2, rstd, n_calls, dropout_threshold, dropout_scale, stride_dres_row,
                                stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
                                STORE_DRESIDUAL)
         if HAS_WEIGHT:
@@ -389,7 +400,7 @@ def _add_dropout_norm_bwd_kernel(
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, False)
             if HAS_DRESIDUAL_OUT and not PREFETCH:
                 dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
-            _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_quads,
+            _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_calls,
                                dropout_threshold, dropout_scale, stride_dres_row, stride_dx_row, BLOCK_N,
                                IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT, STORE_DRESIDUAL)
             if PREFETCH:
@@ -426,7 +437,7 @@ def _add_dropout_norm_bwd_kernel(
             rstd = tl.load(RSTD + rows, mask=in_range, other=0.0)[:, None]
             mean = 0.0 if IS_RMS_NORM else tl.load(MEAN + rows, mask=in_range, other=0.0)[:, None]
             if HAS_DROPOUT:
-                keep = _dropout_keep_rows(seed, rows, n_quads, dropout_threshold, ROWS_PER_ITER, BLOCK_N)
+                keep = _dropout_keep_rows(seed, rows, n_calls, dropout_threshold, ROWS_PER_ITER, BLOCK_N)
             h = h.to(tl.float32)
             dy = dy.to(tl.float32)
             if IS_RMS_NORM:
@@ -505,7 +516,7 @@ def _add_dropout_norm_bwd_kernel(
                 else:
                     dres_out = 0.0
                 _store_input_grads(DRESIDUAL, DX, seed, row, col_start, mask, dres_out, xhat, wdy, c1, c2,
-                                   rstd, n_quads, dropout_threshold, dropout_scale, stride_dres_row,
+                                   rstd, n_calls, dropout_threshold, dropout_scale, stride_dres_row,
                                    stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
                                    STORE_DRESIDUAL)
             if HAS_WEIGHT:

@@ -5,10 +5,13 @@
 
 One pass over memory in each direction. Trade-offs:
 
-- The dropout mask is never stored: it is regenerated in backward from an int64 seed *tensor* with Philox
-  (`tl.randint4x`, one call per four columns), so no byte mask moves and no host sync happens (CUDA-graph
-  safe). The CPU reference runs the same Philox in plain torch, so CPU, GPU and the interpreter compute the
-  same function bit for bit in the mask.
+- The dropout mask is never stored: it is regenerated in backward from an int64 seed *tensor* with
+  Philox-4x32-7 (`tl.randint4x`, one call per eight columns: column j of a row takes the 16-bit half
+  j % 2 of word (j % 8) // 2 of call row * cdiv(N, 8) + j // 8), so no byte mask moves and no host sync
+  happens (CUDA-graph safe). An element is kept when its half is >= round(p * 65536), and kept values are
+  scaled by the inverse of that exact keep probability (ops/_philox.py, as the attention op's dropout).
+  The CPU reference runs the same Philox in plain torch, so CPU, GPU and the interpreter compute the same
+  function bit for bit in the mask.
 - h is written whenever it differs from x (residual, dropout or dtype change) and backward reads it back:
   one read of h is cheaper than re-reading x and residual. When h is x, nothing is written and backward
   reads x.
@@ -33,6 +36,13 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
     _add_dropout_norm_fwd_kernel,
 )
 from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._philox import (
+    DROPOUT_PHILOX_ROUNDS,
+    HALF,
+    dropout_scale,
+    dropout_threshold,
+    philox_4x32,
+)
 
 MAX_N = 65536
 _MIN_BLOCK_N = 16
@@ -88,11 +98,6 @@ _BWD_PIPELINED: dict[tuple[int, bool], BwdConfig] = {
     (8192, True): BwdConfig(16, 16, pipeline_stages=3),
 }
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_M32 = 0xFFFFFFFF
-# Philox-4x32 constants, as in triton.language.random.philox_impl.
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
-_KEEP_BITS = 24  # keep an element when the top 24 bits of its random word are >= round(p * 2**24)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,39 +105,20 @@ _KEEP_BITS = 24  # keep an element when the top 24 bits of its random word are >
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _dropout_threshold(p: float) -> int:
-    return int(round(p * (1 << _KEEP_BITS)))
-
-
-def _umul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit halves of a * b for uint32 values held in int64, without int64 overflow."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    p_lo, p_hi = a_lo * b, a_hi * b
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
-    return hi, lo
+_COLUMNS_PER_CALL = 8  # one Philox call = 4 words = 8 16-bit halves = 8 columns
 
 
 def dropout_keep_mask(seed: torch.Tensor, rows: int, n: int, dropout_p: float) -> torch.Tensor:
     """The (rows, n) bool keep-mask the kernels draw for `seed` (an int64 tensor of one element)."""
     device = seed.device
-    n4 = triton.cdiv(n, 4)
-    off = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * n4 + torch.arange(
-        n4, device=device, dtype=torch.int64
+    calls = triton.cdiv(n, _COLUMNS_PER_CALL)
+    counter = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * calls + torch.arange(
+        calls, device=device, dtype=torch.int64
     )
-    s = seed.reshape(()).to(torch.int64)
-    k0, k1 = s & _M32, (s >> 32) & _M32
-    c0, c1 = off & _M32, (off >> 32) & _M32
-    c2 = torch.zeros_like(off)
-    c3 = torch.zeros_like(off)
-    for _ in range(10):
-        hi_b, lo_b = _umul32(c2, _PHILOX_ROUND_B)
-        hi_a, lo_a = _umul32(c0, _PHILOX_ROUND_A)
-        c0, c2 = hi_b ^ c1 ^ k0, hi_a ^ c3 ^ k1
-        c1, c3 = lo_b, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
-    r = torch.stack([c0, c1, c2, c3], dim=-1).reshape(rows, n4 * 4)[:, :n]
-    return (r >> (32 - _KEEP_BITS)) >= _dropout_threshold(dropout_p)
+    # tl.randint4x splits its int64 counter into the first two counter words.
+    words = torch.stack(philox_4x32(seed, counter & 0xFFFFFFFF, counter >> 32, DROPOUT_PHILOX_ROUNDS), -1)
+    halves = torch.stack([words & (HALF - 1), words >> 16], -1)  # (rows, calls, word, half)
+    return halves.reshape(rows, calls * _COLUMNS_PER_CALL)[:, :n] >= dropout_threshold(dropout_p)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,7 +162,7 @@ def add_dropout_norm_ref(x, residual=None, weight=None, bias=None, seed=None, ep
     h = x.reshape(-1, n).to(compute)
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, h.shape[0], n, dropout_p)
-        h = torch.where(keep, h * (1.0 / (1.0 - dropout_p)), 0.0)
+        h = torch.where(keep, h * dropout_scale(dropout_p), 0.0)
     if residual is not None:
         h = h + residual.reshape(-1, n).to(compute)
     if not upcast:
@@ -231,7 +217,7 @@ def _bwd_cpu(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is
         dresidual.copy_(dh.reshape(dresidual.shape))
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, hf.shape[0], n, dropout_p)
-        dh = torch.where(keep, dh * (1.0 / (1.0 - dropout_p)), 0.0)
+        dh = torch.where(keep, dh * dropout_scale(dropout_p), 0.0)
     dx.copy_(dh.reshape(dx.shape))
     if weight is not None:
         dweight.copy_((dyf * xhat).sum(0))
@@ -297,7 +283,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
         bias if bias is not None else x2, seed if has_dropout else rstd,
         out2, res_out2, mean if not is_rms_norm else rstd, rstd,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), res_out2.stride(0),
-        n, triton.cdiv(n, 4), eps, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        n, triton.cdiv(n, _COLUMNS_PER_CALL), eps, dropout_threshold(dropout_p), dropout_scale(dropout_p),
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
         STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD, 16),
@@ -377,8 +363,9 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
         dx2, dres2, dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
         h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
-        dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, 4), _dropout_threshold(dropout_p),
-        1.0 / (1.0 - dropout_p), ROWS_PER_PROGRAM=const_rows_per_program, ROWS_PER_ITER=rows_per_iter,
+        dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, _COLUMNS_PER_CALL),
+        dropout_threshold(dropout_p), dropout_scale(dropout_p), ROWS_PER_PROGRAM=const_rows_per_program,
+        ROWS_PER_ITER=rows_per_iter,
         PREFETCH=bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1 and not cfg.pipeline_stages,
         PIPELINE_STAGES=cfg.pipeline_stages if rows_per_iter == 1 and num_chunks == 1 else 0,
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,

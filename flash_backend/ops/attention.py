@@ -41,6 +41,13 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._philox import (  # noqa: F401  (re-exported: the tests and bench read them here)
+    DROPOUT_PHILOX_ROUNDS,
+    HALF,
+    dropout_scale,
+    dropout_threshold,
+    philox_4x32,
+)
 
 __all__ = [
     "attention_reference",
@@ -56,58 +63,12 @@ MAX_HEAD_DIM = 256
 
 
 # --------------------------------------------------------------------------------------------------------
-# Dropout RNG: Triton's philox (tl.random.philox, 32-bit lanes, 10 rounds), in int64 torch arithmetic;
-# the scheme is in the module docstring (Conventions).
+# Dropout RNG: Triton's philox in int64 torch arithmetic (ops/_philox.py, shared with the norm op); the
+# counter layout is in the module docstring (Conventions).
 # --------------------------------------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
-
-
-def _mulhilo32(a: int, b: torch.Tensor):
-    """(a * b) >> 32 and (a * b) & 0xffffffff for a uint32 constant a and a uint32-valued int64 tensor b."""
-    ah, al = a >> 16, a & 0xFFFF
-    t_hi = ah * b  # < 2**48
-    t_lo = al * b  # < 2**48
-    hi = (t_hi + (t_lo >> 16)) >> 16
-    lo = (((t_hi & 0xFFFF) << 16) + t_lo) & _M32
-    return hi, lo
-
-
-def philox_4x32(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, rounds: int = 10):
-    """Triton's tl.random.philox(seed, c0, c1, 0, 0, n_rounds=rounds): its 4 uint32 words, in int64."""
-    seed = seed.reshape(()).to(torch.int64)
-    k0 = seed & _M32
-    k1 = (seed >> 32) & _M32
-    c0 = c0.to(torch.int64) & _M32
-    c1 = c1.to(torch.int64) & _M32
-    c0, c1 = torch.broadcast_tensors(c0, c1)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    for _ in range(rounds):
-        hi_b, lo_b = _mulhilo32(0xCD9E8D57, c2)
-        hi_a, lo_a = _mulhilo32(0xD2511F53, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0 = (k0 + 0x9E3779B9) & _M32
-        k1 = (k1 + 0xBB67AE85) & _M32
-    return c0, c1, c2, c3
-
 
 DROPOUT_KEYS_PER_CALL = 8  # one Philox call = 4 words = 8 16-bit halves = 8 keys (see Conventions)
 DROPOUT_KEY_SPAN = 32  # ...spread over 32 consecutive keys: key tiles must start and end on this span
-# Philox4x32-7, as FlashAttention's dropout: Random123 (Salmon et al., SC'11) found 7 rounds the fewest that
-# pass BigCrush (10 is their default, with margin). 7 made our dropout forward ~10% faster on an H200.
-DROPOUT_PHILOX_ROUNDS = 7
-_HALF = 1 << 16
-
-
-def dropout_threshold(dropout_p: float) -> int:
-    """p quantised to 1/65536: an element is dropped when its 16-bit random half is below this."""
-    return min(max(int(round(dropout_p * _HALF)), 0), _HALF - 1)
-
-
-def dropout_scale(dropout_p: float) -> float:
-    """1 / P(keep) of the quantised p, so that E[keep * scale] = 1: rounding p to 1/65536 adds no bias."""
-    return _HALF / (_HALF - dropout_threshold(dropout_p))
 
 
 def dropout_keep(seed, dropout_p, i, j, seqlen_k, bh) -> torch.Tensor:
@@ -122,7 +83,7 @@ def dropout_keep(seed, dropout_p, i, j, seqlen_k, bh) -> torch.Tensor:
     r0, r1, r2, r3 = philox_4x32(seed, i * calls_per_row + call, bh, DROPOUT_PHILOX_ROUNDS)
     word_idx = (j // 8) % 4
     word = torch.where(word_idx == 0, r0, torch.where(word_idx == 1, r1, torch.where(word_idx == 2, r2, r3)))
-    half = (word >> (16 * (j % 2))) & (_HALF - 1)  # e = 0: low half, e = 1: high half
+    half = (word >> (16 * (j % 2))) & (HALF - 1)  # e = 0: low half, e = 1: high half
     return half >= dropout_threshold(dropout_p)
 
 
