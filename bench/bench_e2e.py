@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import Results, bench_ms, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, env_info, markdown_table  # noqa: E402
 
 DTYPE = torch.bfloat16
 LOSS_STEPS = 20
@@ -165,6 +165,7 @@ def _run_mode(config: str, mode: str, results: Results, table: list):
         first_step_s=round(first_step_s, 2),
         loss_step20=round(loss20, 4),
         flash_rewrites=rewrites,
+        commit=env_info()["commit"],
     )
     table.append(
         [
@@ -206,6 +207,25 @@ def _run_isolated(config: str, mode: str, results: Results, table: list, timeout
     table.extend(got["table"])
 
 
+def _config_of(case: dict) -> str:
+    return next(name for name, (model, attn, *_) in CONFIGS.items()
+                if (model, attn) == (case["model"], case["attn"]))
+
+
+def _keep_rows_of_other_configs(results: Results, configs: list[str]) -> None:
+    """--merge: the committed rows of configs not run now, each stamped with the commit that measured it."""
+    from bench._common import RESULTS_DIR
+
+    path = RESULTS_DIR / "e2e.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    for row in old["rows"]:
+        if _config_of(row["case"]) not in configs:
+            row.setdefault("commit", old["env"]["commit"])
+            results.rows.append(row)
+
+
 def _child(config: str, mode: str, out: str) -> None:
     """One (config, mode) run for _run_isolated: its rows go to `out` as JSON."""
     import flash_backend  # noqa: F401
@@ -230,6 +250,9 @@ def main():
     parser.add_argument("--in-process", action="store_true",
                         help="run every (config, mode) in this process, sharing compile caches")
     parser.add_argument("--child-timeout-s", type=float, default=300.0, help="limit of one child process")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of bench/results/e2e.json whose config is not run now (each row "
+                             "names the commit it was measured at)")
     parser.add_argument("--child", nargs=3, metavar=("CONFIG", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -251,6 +274,8 @@ def main():
     table: list = []
     skipped = []
     failed: list[str] = []
+    if args.merge:
+        _keep_rows_of_other_configs(results, args.configs.split(","))
     start = time.perf_counter()
     for config in args.configs.split(","):
         if time.perf_counter() - start > args.budget_s:

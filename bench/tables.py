@@ -30,8 +30,10 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def _stamp(data: dict) -> str:
     env = data["env"]
-    return (f"_{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}, "
-            f"{env['date']}_")
+    # Rows merged from several runs (bench_e2e.py --merge) each name the commit that measured them.
+    commits = sorted({row.get("commit", env["commit"]) for row in data["rows"]} or {env["commit"]})
+    commit = f"commit {commits[0]}" if len(commits) == 1 else f"commits {', '.join(commits)} (per row)"
+    return f"_{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {commit}, {env['date']}_"
 
 
 def _ratio(anchor_ms, our_ms):
