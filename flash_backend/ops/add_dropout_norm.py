@@ -455,6 +455,11 @@ def _setup_context(ctx, inputs, output):
     ctx.residual_dtype = residual.dtype if residual is not None else x.dtype
     ctx.residual_shape = residual.shape if residual is not None else None
     ctx.h_is_returned = residual_out.numel() > 0
+    # Unused outputs (mean, rstd, and the pre-norm sum h of a post-norm block, which the op returns only to
+    # save it for backward) get None instead of zero-filled grads. Materialised, h's zeros were a full
+    # (M, N) fill kernel per norm and an (M, N) read in the backward kernel: 24 of each in BERT-base's
+    # compiled step (bench/logs/kernel_origins_bert_h200.log: triton_poi_fused_view_8, ~0.2 ms a step).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dresidual_out, dmean, drstd):
@@ -462,9 +467,14 @@ def _backward(ctx, dout, dresidual_out, dmean, drstd):
 
 
 def _backward_with(ctx, dout, dresidual_out, add_dropout_norm_bwd_fn):
-    h, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    """The input grads; dout and dresidual_out may be None (grads are not materialised, _setup_context)."""
     if not ctx.h_is_returned:
         dresidual_out = None
+    if dout is None:
+        if dresidual_out is None:  # nothing reaches the loss
+            return (None,) * 10
+        dout = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=dresidual_out.device)
+    h, weight, bias, mean, rstd, seed = ctx.saved_tensors
     dx, dresidual, dweight, dbias = add_dropout_norm_bwd_fn(
         dout, dresidual_out, h, weight, bias, mean, rstd, seed, ctx.dropout_p, ctx.is_rms_norm,
         ctx.has_residual, ctx.x_dtype, ctx.residual_dtype,
@@ -487,18 +497,11 @@ class _DirectAddDropoutNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         output = add_dropout_norm_fwd_launch(*inputs, launch=plain_launch)
-        _setup_context(ctx, inputs, output)
-        # Unused outputs (mean, rstd, often the pre-norm sum) get None instead of zero-filled grads: each
-        # fill is a kernel launch and host time that the GPU waits for in a small eager step.
-        ctx.set_materialize_grads(False)
+        _setup_context(ctx, inputs, output)  # also turns off zero-filled grads for unused outputs
         return output
 
     @staticmethod
     def backward(ctx, dout, dresidual_out, dmean, drstd):
-        if dout is None:
-            if dresidual_out is None or not ctx.h_is_returned:  # nothing reaches the loss
-                return (None,) * 10
-            dout = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=dresidual_out.device)
         return _backward_with(ctx, dout, dresidual_out,
                               functools.partial(add_dropout_norm_bwd_launch, launch=plain_launch))
 
