@@ -18,6 +18,17 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def max_rel_diff(got, ref) -> float:
+    """max |got - ref| / max |ref| over paired lists of tensors (empty ones skipped): how far a candidate
+    launch shape's results are from the reference shape's (different tiles round differently)."""
+    err = 0.0
+    for g, r in zip(got, ref, strict=True):
+        if r.numel():
+            scale = r.float().abs().max().clamp_min(1e-30)
+            err = max(err, ((g.float() - r.float()).abs().max() / scale).item())
+    return err
+
+
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
     import triton.testing

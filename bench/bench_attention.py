@@ -32,6 +32,7 @@ from bench._common import (  # noqa: E402
     graph_ms,
     interleaved_graph_us,
     markdown_table,
+    max_rel_diff,
 )
 from flash_backend.ops.attention import flash_attention  # noqa: E402
 
@@ -460,12 +461,6 @@ E2E_BWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4
                       (128, 64, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)]
 
 
-def _close(got, ref) -> float:
-    """max |got - ref| / max |ref| over a list of tensors (different tiles round differently)."""
-    return max(((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
-               for g, r in zip(got, ref, strict=True))
-
-
 def _checked_graph(what: str, step, outputs: list, ref: list):
     """step captured in a CUDA graph if it runs and its outputs (filled in place) match ref within 2e-2
     relative; else None, with the reason printed (a config that does not compile or fit is skipped)."""
@@ -474,7 +469,7 @@ def _checked_graph(what: str, step, outputs: list, ref: list):
     except Exception as e:  # noqa: BLE001
         print(f"E2ECFG {what}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
         return None
-    err = _close(outputs, ref)
+    err = max_rel_diff(outputs, ref)
     if err > 2e-2:
         print(f"E2ECFG {what}: WRONG, max rel diff {err:.1e}", flush=True)
         return None

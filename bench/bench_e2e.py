@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import Results, bench_ms, env_info, markdown_table  # noqa: E402
+from bench._common import RESULTS_DIR, Results, bench_ms, env_info, markdown_table  # noqa: E402
 
 DTYPE = torch.bfloat16
 LOSS_STEPS = 20
@@ -214,8 +214,6 @@ def _config_of(case: dict) -> str:
 
 def _keep_rows_of_other_configs(results: Results, configs: list[str]) -> None:
     """--merge: the committed rows of configs not run now, each stamped with the commit that measured it."""
-    from bench._common import RESULTS_DIR
-
     path = RESULTS_DIR / "e2e.json"
     if not path.exists():
         return

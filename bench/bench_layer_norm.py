@@ -46,7 +46,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flash_backend.ops.add_dropout_norm as adn  # noqa: E402
-from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table  # noqa: E402
+from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table, max_rel_diff  # noqa: E402
 from flash_backend.backend import flash_backend  # noqa: E402
 from flash_backend.ops.add_dropout_norm import BwdConfig, add_dropout_norm  # noqa: E402
 
@@ -169,15 +169,6 @@ def _async_copies(compiled) -> int | str:
         return "?"
 
 
-def _rel_err(got, ref) -> float:
-    err = 0.0
-    for g, r in zip(got, ref, strict=True):
-        if r.numel():
-            scale = r.float().abs().max().clamp_min(1e-30)
-            err = max(err, ((g.float() - r.float()).abs().max() / scale).item())
-    return err
-
-
 def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[BwdConfig, float]]:
     """Time each candidate of (n, rms) until case_end; returns (cfg, us) of those whose grads match."""
     norm = "rmsnorm" if rms else "layernorm"
@@ -202,7 +193,7 @@ def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[B
         try:
             capture = _Capture()
             got = step(launch=capture)  # compiles
-            err = 0.0 if ref is None else _rel_err(got, ref)
+            err = 0.0 if ref is None else max_rel_diff(got, ref)
             ref = got if ref is None else ref
             gms = graph_ms(step)
         except Exception as e:  # report, keep sweeping
