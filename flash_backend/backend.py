@@ -17,6 +17,9 @@ import logging
 
 import torch
 
+from flash_backend import config as flash_config
+from flash_backend import returned_linear
+
 log = logging.getLogger("flash_backend")
 
 _COALESCE_TILING = "triton.coalesce_tiling_analysis"
@@ -37,7 +40,6 @@ def _has_inductor_option(name: str) -> bool:
 def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                   options: dict | None = None):
     from flash_backend import _ttir_memo
-    from flash_backend import config as flash_config
     from fx_passes import FlashGraphPass
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
     from fx_passes._report import committed_only
@@ -54,7 +56,20 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     config_patches["pre_grad_custom_pass"] = FlashGraphPass(chained=user_pass)
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))
     with committed_only():  # a compile that dynamo restarts is not counted (fx_passes/_report.py)
-        return compile_fx(gm, example_inputs, config_patches=config_patches)
+        num_outputs, returned = _detach_returned_logits(gm)
+        compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
+    return returned_linear.wrap(compiled, returned, num_outputs) if returned else compiled
+
+
+def _detach_returned_logits(gm: torch.fx.GraphModule) -> tuple[int, list]:
+    """(the graph's output count, the returned Linear outputs whose gradient is taken outside the
+    compiled graph: flash_backend/returned_linear.py). Only in grad mode: dynamo compiles a graph per grad
+    mode, and without it no output has a gradient to move."""
+    if not flash_config.detach_returned_logits or not torch.is_grad_enabled():
+        return 0, []
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    num_outputs = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 0
+    return num_outputs, returned_linear.detach_returned_linear_outputs(gm)
 
 
 def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):

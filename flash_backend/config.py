@@ -62,3 +62,9 @@ eager_direct_calls: bool = _env_flag("FLASH_BACKEND_EAGER_DIRECT", True)
 # embeddings + LayerNorm fwd+bwd, B=32, S=512, bf16, H200): flash 2563 -> 861 us with the analysis off,
 # Inductor 866 -> 761 us. Set True (or FLASH_BACKEND_INDUCTOR_COALESCE_TILING=1) for Inductor's default.
 inductor_coalesce_tiling_analysis: bool = _env_flag("FLASH_BACKEND_INDUCTOR_COALESCE_TILING", False)
+
+# Not a rewrite switch: a Linear output that a training graph returns and also uses (the logits next to
+# the loss) is returned detached, its gradient taken outside the compiled graph, so that an unused logits
+# output costs no (M, V) zeros in the backward (flash_backend/returned_linear.py). Off: AOTAutograd's
+# default (FLASH_BACKEND_DETACH_RETURNED_LOGITS=0).
+detach_returned_logits: bool = _env_flag("FLASH_BACKEND_DETACH_RETURNED_LOGITS", True)
