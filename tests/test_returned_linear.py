@@ -244,12 +244,12 @@ def test_cuda_bf16_head(use_logits):
     model.bfloat16()
     want = run(model)
     compiled = torch.compile(model, backend="flash", fullgraph=True)
-    if not use_logits:
+    got = run(compiled)
+    if not use_logits:  # after the first step: compiling the backward autotunes, zeroing a cache-flush buffer
         loss, _ = compiled(ids, labels)
         with BigZeros(ids.numel() * vocab) as big:
             loss.backward()
         assert big.ops == [], big.ops
-    got = run(compiled)
     assert counters["flash"]["returned_linear"] == 1 and counters["flash"]["cross_entropy"] == 1
     for g, w, e in zip(got, want, exact, strict=True):
         ours, eager = (g - e).abs().max().item(), (w - e).abs().max().item()
