@@ -8,9 +8,9 @@ step (~0.6 ms on an H200, in Inductor's graph and in ours).
 
 What: before Inductor compiles a graph (training, grad mode on), each output that is a Linear's
 ``F.linear(x, weight, bias)`` whose value the graph also uses (the loss reads it) and that is wider than its
-input (out_features > in_features: logits, not a projection) is returned detached, with x, weight and bias
-appended to the outputs. Outside the compiled function, ``_ReturnedLinear`` gives the returned tensor
-its gradient edge back: its backward is the Linear's (grad @ weight into x, gradᵀ x into weight, the row
+input (out_features > in_features: logits, not a projection) is returned detached, with x appended to the
+outputs. Outside the compiled function, ``_ReturnedLinear`` gives the returned tensor its gradient edge
+back: its backward is the Linear's (grad @ weight into x, gradᵀ x into weight, the row
 sum into bias). So
 
 - ``out.loss.backward()``: autograd never calls it, and the compiled backward receives zeros of x's shape
@@ -19,9 +19,9 @@ sum into bias). So
   before: the logits' gradient reaches x through the compiled backward and weight and bias directly, and
   autograd sums it with the loss's.
 
-weight and bias must be graph inputs (parameters, or attributes), which AOTAutograd returns without a
-gradient of their own; x may be anything. Nothing else changes: the in-graph uses of the Linear's output are
-untouched, and the outputs the caller receives are the graph's own, in the same order.
+weight and bias must be inputs of the graph (dynamo makes a module's parameters inputs): the wrapper takes
+them from the call's arguments. x may be anything. Nothing else changes: the in-graph uses of the Linear's
+output are untouched, and the outputs the caller receives are the graph's own, in the same order.
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ FAMILY = "returned_linear"
 
 @dataclass(frozen=True)
 class ReturnedLinear:
-    """Output `index` of the graph is returned detached; x, weight (and bias) are outputs first_extra..."""
+    """Output `index` of the graph is returned detached, the Linear's input x as output `x_output`; its
+    weight and bias are the graph's inputs number `weight_input` and `bias_input` (None: no bias)."""
 
     index: int
-    first_extra: int
-    has_bias: bool
+    x_output: int
+    weight_input: int
+    bias_input: int | None
 
 
 class _ReturnedLinear(torch.autograd.Function):
@@ -86,7 +88,7 @@ def _linear_arguments(node: torch.fx.Node) -> tuple | None:
 
 
 def _is_graph_input(node: object) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr")
+    return isinstance(node, torch.fx.Node) and node.op == "placeholder"
 
 
 def _why_not(node: torch.fx.Node, output: torch.fx.Node, outputs: list) -> str | None:
@@ -98,7 +100,7 @@ def _why_not(node: torch.fx.Node, output: torch.fx.Node, outputs: list) -> str |
     if not y.requires_grad or not y.is_floating_point():
         return "it does not require grad"
     if not _is_graph_input(weight) or (bias is not None and not _is_graph_input(bias)):
-        return "its weight or bias is computed in the graph"
+        return "its weight or bias is not an input of the graph"
     if w.dim() != 2 or not statically_known_true(w.shape[0] > w.shape[1]):
         return "it is not wider than its input (out_features <= in_features)"
     if sum(1 for o in outputs if o is node) != 1:
@@ -116,6 +118,7 @@ def detach_returned_linear_outputs(gm: torch.fx.GraphModule) -> list[ReturnedLin
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     if len(output.args) != 1 or not isinstance(output.args[0], (tuple, list)):
         return []
+    inputs = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
     outputs = list(output.args[0])
     splits, extras = [], []
     for index, node in enumerate(outputs):
@@ -130,8 +133,9 @@ def detach_returned_linear_outputs(gm: torch.fx.GraphModule) -> list[ReturnedLin
             detached = graph.call_method("detach", (node,))
         detached.meta["example_value"] = tensor_meta(node).detach()
         outputs[index] = detached
-        splits.append(ReturnedLinear(index, len(outputs) + len(extras), bias is not None))
-        extras += [x, weight] + ([bias] if bias is not None else [])
+        splits.append(ReturnedLinear(index, len(outputs) + len(extras), inputs[weight],
+                                     inputs[bias] if bias is not None else None))
+        extras.append(x)
         record_rewrite(FAMILY, "F.linear output returned and used in the graph",
                        "detached output + the Linear's backward outside the graph", node)
     if splits:
@@ -142,16 +146,17 @@ def detach_returned_linear_outputs(gm: torch.fx.GraphModule) -> list[ReturnedLin
 
 def wrap(compiled, splits: list[ReturnedLinear], num_outputs: int):
     """The compiled function with the graph's original outputs: each split output gets its gradient edge
-    back (in grad mode), the appended x / weight / bias are dropped."""
-    def restore(returned):
+    back (in grad mode), the appended inputs x are dropped."""
+
+    def run(*args):  # dynamo calls a backend's function with the graph's inputs as arguments
+        returned = compiled(*args)
         results = list(returned)
         extras = results[num_outputs:]
         del results[num_outputs:]
         if torch.is_grad_enabled():
-            base = num_outputs
             for split in splits:
-                x, weight = extras[split.first_extra - base], extras[split.first_extra - base + 1]
-                bias = extras[split.first_extra - base + 2] if split.has_bias else None
+                x, weight = extras[split.x_output - num_outputs], args[split.weight_input]
+                bias = args[split.bias_input] if split.bias_input is not None else None
                 if any(t is not None and t.requires_grad for t in (x, weight, bias)):
                     y = results[split.index]
                     # A view (of a padded logits buffer) is detached first: autograd would route a dirty
@@ -159,8 +164,5 @@ def wrap(compiled, splits: list[ReturnedLinear], num_outputs: int):
                     y = y.detach() if y._is_view() else y
                     results[split.index] = _ReturnedLinear.apply(y, x, weight, bias)
         return type(returned)(results) if isinstance(returned, (tuple, list)) else results
-
-    def run(*args):  # dynamo calls a backend's function with the graph's inputs as arguments
-        return restore(compiled(*args))
 
     return run
