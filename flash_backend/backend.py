@@ -73,7 +73,8 @@ def _detach_returned_logits(gm: torch.fx.GraphModule) -> tuple[int, list]:
 
 
 def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
-    """Runs the rewrites and then the rewritten graph as plain PyTorch (no Inductor).
+    """Runs the rewrites (and the returned-logits split of flash_backend) and then the rewritten graph as
+    plain PyTorch (no Inductor).
 
     What explain() uses: it shows what the passes decide without paying for an Inductor compile.
     """
@@ -81,5 +82,6 @@ def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
     from fx_passes._report import committed_only
 
     with committed_only():
+        num_outputs, returned = _detach_returned_logits(gm)
         run_passes(gm.graph)
-    return gm.forward
+    return returned_linear.wrap(gm.forward, returned, num_outputs) if returned else gm.forward

@@ -59,8 +59,10 @@ class _ReturnedLinear(torch.autograd.Function):
     def forward(ctx, y, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.mark_dirty(y)  # y itself gets the gradient edge: no view, the caller may write it in place
-        return y
+        # A new tensor on y's memory, not a view of it: the caller may write it in place as the graph's own
+        # output (a view made inside a Function may not be), and unlike mark_dirty(y) this bumps no version
+        # counter that the compiled backward checks when it saved y itself (a classifier's logits).
+        return y.detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -158,11 +160,7 @@ def wrap(compiled, splits: list[ReturnedLinear], num_outputs: int):
                 x, weight = extras[split.x_output - num_outputs], args[split.weight_input]
                 bias = args[split.bias_input] if split.bias_input is not None else None
                 if any(t is not None and t.requires_grad for t in (x, weight, bias)):
-                    y = results[split.index]
-                    # A view (of a padded logits buffer) is detached first: autograd would route a dirty
-                    # view's gradient through its base, through zeros of the base's shape.
-                    y = y.detach() if y._is_view() else y
-                    results[split.index] = _ReturnedLinear.apply(y, x, weight, bias)
+                    results[split.index] = _ReturnedLinear.apply(results[split.index], x, weight, bias)
         return type(returned)(results) if isinstance(returned, (tuple, list)) else results
 
     return run

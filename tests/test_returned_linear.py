@@ -254,3 +254,32 @@ def test_cuda_bf16_head(use_logits):
     for g, w, e in zip(got, want, exact, strict=True):
         ours, eager = (g - e).abs().max().item(), (w - e).abs().max().item()
         assert ours <= 2 * eager + 1e-3, (ours, eager)
+
+
+class SavedLogits(nn.Module):
+    """A loss whose backward needs the logits themselves (x², as a classifier's cross-entropy needs its
+    unpadded logits): the compiled graph saves the very tensor it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(K, V)
+
+    def forward(self, x):
+        logits = self.proj(x)
+        return logits.square().mean(), logits
+
+
+@pytest.mark.parametrize("use_logits", [False, True], ids=["loss-only", "loss-and-logits"])
+def test_logits_saved_for_the_backward(use_logits):
+    torch.manual_seed(0)
+    model = SavedLogits()
+    x = torch.randn(6, K, requires_grad=True)
+    weight = torch.randn(6, V) if use_logits else None
+    grads = []
+    for m in (model, torch.compile(model, backend=aot_eager_with_split)):
+        loss, logits = m(x)
+        objective = loss if weight is None else loss + (logits * weight).sum()
+        grads.append(torch.autograd.grad(objective, [x, *model.parameters()]))
+    assert counters["flash"]["returned_linear"] == 1
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, **TOL)
