@@ -109,8 +109,8 @@ def _why_not(node: torch.fx.Node, output: torch.fx.Node, outputs: list) -> str |
         return "the graph returns it more than once"
     if not any(u is not output for u in node.users):
         return "the graph does not use it (its gradient only comes from outside)"
-    if in_place_writers(node) or in_place_writers(x):
-        return "it or its input is written in place"
+    if in_place_writers(node) or in_place_writers(x) or in_place_writers(weight):
+        return "it, its input or its weight is written in place"
     return None
 
 
