@@ -56,20 +56,18 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     config_patches["pre_grad_custom_pass"] = FlashGraphPass(chained=user_pass)
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))
     with committed_only():  # a compile that dynamo restarts is not counted (fx_passes/_report.py)
-        num_outputs, returned = _detach_returned_logits(gm)
+        returned = _detach_returned_logits(gm)
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
-    return returned_linear.wrap(compiled, returned, num_outputs) if returned else compiled
+    return returned_linear.wrap(compiled, returned) if returned else compiled
 
 
-def _detach_returned_logits(gm: torch.fx.GraphModule) -> tuple[int, list]:
-    """(the graph's output count, the returned Linear outputs whose gradient is taken outside the
-    compiled graph: flash_backend/returned_linear.py). Only in grad mode: dynamo compiles a graph per grad
-    mode, and without it no output has a gradient to move."""
+def _detach_returned_logits(gm: torch.fx.GraphModule) -> list:
+    """The returned Linear outputs whose gradient is taken outside the compiled graph
+    (flash_backend/returned_linear.py). Only in grad mode: dynamo compiles a graph per grad mode, and
+    without it no output has a gradient to move."""
     if not flash_config.detach_returned_logits or not torch.is_grad_enabled():
-        return 0, []
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    num_outputs = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 0
-    return num_outputs, returned_linear.detach_returned_linear_outputs(gm)
+        return []
+    return returned_linear.detach_returned_linear_outputs(gm)
 
 
 def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
@@ -82,6 +80,6 @@ def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
     from fx_passes._report import committed_only
 
     with committed_only():
-        num_outputs, returned = _detach_returned_logits(gm)
+        returned = _detach_returned_logits(gm)
         run_passes(gm.graph)
-    return returned_linear.wrap(gm.forward, returned, num_outputs) if returned else gm.forward
+    return returned_linear.wrap(gm.forward, returned) if returned else gm.forward

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fx_passes._match import in_place_writers, is_op, tensor_meta
+from fx_passes._match import in_place_writers, is_op, linear_operands, tensor_meta
 from fx_passes._report import record_rewrite
 
 log = logging.getLogger("flash_backend")
@@ -78,24 +78,13 @@ class _ReturnedLinear(torch.autograd.Function):
         return None, grad_x, grad_weight, grad_bias
 
 
-def _linear_arguments(node: torch.fx.Node) -> tuple | None:
-    """(x, weight, bias) of an F.linear node, bias None when absent."""
-    if not is_op(node, "linear"):
-        return None
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x = node.kwargs.get("input", args[0])
-    weight = node.kwargs.get("weight", args[1])
-    bias = node.kwargs.get("bias", args[2])
-    return x, weight, bias
-
-
 def _is_graph_input(node: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "placeholder"
 
 
 def _why_not(node: torch.fx.Node, output: torch.fx.Node, outputs: list) -> str | None:
     """Why the returned node is not split (None: it is). Only for a node that is an F.linear."""
-    x, weight, bias = _linear_arguments(node)
+    x, weight, bias = linear_operands(node)
     y, w = tensor_meta(node), tensor_meta(weight)
     if y is None or w is None or tensor_meta(x) is None:
         return "no tensor metadata"
@@ -124,13 +113,13 @@ def detach_returned_linear_outputs(gm: torch.fx.GraphModule) -> list[ReturnedLin
     outputs = list(output.args[0])
     splits, extras = [], []
     for index, node in enumerate(outputs):
-        if not isinstance(node, torch.fx.Node) or _linear_arguments(node) is None:
+        if not is_op(node, "linear"):
             continue
         reason = _why_not(node, output, outputs)
         if reason is not None:
             log.debug("returned Linear output %s keeps its in-graph gradient: %s", node.name, reason)
             continue
-        x, weight, bias = _linear_arguments(node)
+        x, weight, bias = linear_operands(node)
         with graph.inserting_before(output):
             detached = graph.call_method("detach", (node,))
         detached.meta["example_value"] = tensor_meta(node).detach()
@@ -146,21 +135,21 @@ def detach_returned_linear_outputs(gm: torch.fx.GraphModule) -> list[ReturnedLin
     return splits
 
 
-def wrap(compiled, splits: list[ReturnedLinear], num_outputs: int):
+def wrap(compiled, splits: list[ReturnedLinear]):
     """The compiled function with the graph's original outputs: each split output gets its gradient edge
     back (in grad mode), the appended inputs x are dropped."""
+    num_outputs = min(split.x_output for split in splits)  # the x's come after the graph's own outputs
 
     def run(*args):  # dynamo calls a backend's function with the graph's inputs as arguments
         returned = compiled(*args)
         results = list(returned)
-        extras = results[num_outputs:]
-        del results[num_outputs:]
         if torch.is_grad_enabled():
             for split in splits:
-                x, weight = extras[split.x_output - num_outputs], args[split.weight_input]
+                x, weight = results[split.x_output], args[split.weight_input]
                 bias = args[split.bias_input] if split.bias_input is not None else None
                 if any(t is not None and t.requires_grad for t in (x, weight, bias)):
                     results[split.index] = _ReturnedLinear.apply(results[split.index], x, weight, bias)
+        del results[num_outputs:]
         return type(returned)(results) if isinstance(returned, (tuple, list)) else results
 
     return run

@@ -195,6 +195,11 @@ def arg(node: torch.fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def linear_operands(node: torch.fx.Node) -> tuple:
+    """(x, weight, bias) of an ``F.linear`` call node, by position or keyword; bias None when absent."""
+    return arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+
+
 @functools.cache
 def _signature(fn: Callable) -> inspect.Signature:
     return inspect.signature(fn)

@@ -65,6 +65,7 @@ from fx_passes._match import (
     insert_getitem,
     is_last_dim,
     is_op,
+    linear_operands,
     op_name,
     tensor_meta,
     val,
@@ -164,11 +165,6 @@ def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
         inp.dtype in (*_LOW_PRECISION, torch.float32) and out.device == inp.device and out.shape == inp.shape
 
 
-def _linear_bias(linear: torch.fx.Node):
-    bias = (linear.args + (None,) * 3)[2]
-    return linear.kwargs.get("bias", bias)
-
-
 def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(linear, bias) when add is ``F.linear(x, w) + b`` (either order) with b a class bias: a tensor of the
     logits' dtype, shaped (V,) or (1, .., 1, V), so the sum is the logits of F.linear(x, w, b.reshape(-1))
@@ -187,7 +183,7 @@ def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
     ones = all(statically_known_true(n == 1) for n in b.shape[:-1])
     if not ones or b.dim() > logits.dim() or not statically_known_true(b.shape[-1] == logits.shape[-1]):
         return None  # not a class bias: left to the chain walk's own reason
-    if _linear_bias(linear) is not None:
+    if linear_operands(linear)[2] is not None:
         raise _Miss(f"the logits add a second bias ({bias.name}) to a Linear that has one")
     if b.dtype != logits.dtype or out.dtype != logits.dtype:
         raise _Miss(f"the bias {bias.name} ({b.dtype}) added to the {logits.dtype} logits changes their "
@@ -320,9 +316,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
     linear, chain, upcast, added_bias = _logits_source(logits_input)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
-    x, weight = (linear.args + (None,) * 2)[:2]
-    weight = linear.kwargs.get("weight", weight)
-    bias = _linear_bias(linear)
+    x, weight, bias = linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
     logits_node = chain[-1] if added_bias is not None else linear
     variant = " -> ".join(["F.linear", *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])

@@ -63,6 +63,7 @@ from fx_passes._match import (
     insert_call,
     is_number,
     is_op,
+    linear_operands,
     op_name,
     tensor_meta,
     written_before_end,
@@ -209,7 +210,7 @@ def _linear_inputs(node: torch.fx.Node):
     else None. The pre-activation is the node whose value the GELU must take: the node itself, the bias add
     after a matmul, or Conv1D's view back to (..., N) after an addmm."""
     if is_op(node, "linear"):
-        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        x, w, b = linear_operands(node)
         return "F.linear", x, w, None, b, node
     if is_op(node, "matmul", "mm"):
         return _matmul_linear(node)

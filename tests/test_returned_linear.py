@@ -33,9 +33,9 @@ def _nop(gm, example_inputs):
 def aot_eager_with_split(gm, example_inputs):
     """The flash backend's output handling around AOTAutograd without Inductor."""
     with committed_only():  # AOTAutograd restarts dynamo when it specialises a float input (dynamic=True)
-        num_outputs, splits = _detach_returned_logits(gm)
+        splits = _detach_returned_logits(gm)
         compiled = aot_autograd(fw_compiler=_nop, bw_compiler=_nop)(gm, example_inputs)
-    return returned_linear.wrap(compiled, splits, num_outputs) if splits else compiled
+    return returned_linear.wrap(compiled, splits) if splits else compiled
 
 
 class Head(nn.Module):
@@ -103,17 +103,13 @@ def test_gradients_match_eager(bias, use_logits):
         torch.testing.assert_close(g, w, **TOL)
 
 
-def test_unused_logits_make_no_zeros_in_the_backward():
+def test_unused_logits_make_no_zeros_in_the_backward(monkeypatch):
     torch.manual_seed(0)
     ids, labels = _inputs(4, 8)
     for split in (False, True):  # the check fails without the split: autograd's zeros are seen
-        flash_config_value = flash_config.detach_returned_logits
-        flash_config.detach_returned_logits = split
-        try:
-            torch._dynamo.reset()
-            loss, _ = torch.compile(Head(), backend=aot_eager_with_split)(ids, labels)
-        finally:
-            flash_config.detach_returned_logits = flash_config_value
+        monkeypatch.setattr(flash_config, "detach_returned_logits", split)
+        torch._dynamo.reset()
+        loss, _ = torch.compile(Head(), backend=aot_eager_with_split)(ids, labels)
         with BigZeros(ids.numel() * V) as big:
             loss.backward()
         if split:
