@@ -39,12 +39,13 @@ def _has_inductor_option(name: str) -> bool:
 
 def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                   options: dict | None = None):
-    from flash_backend import _ttir_memo
+    from flash_backend import _early_kernel_compile, _ttir_memo
     from fx_passes import FlashGraphPass
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
     from fx_passes._report import committed_only
 
     _ttir_memo.install()  # Inductor re-generates our kernels' Triton IR per call site otherwise
+    _early_kernel_compile.install()  # our kernels compile while Inductor generates the rest of the graph
     config_patches: dict = {}
     if mode is not None and mode != "default":
         config_patches.update(list_mode_options(mode))

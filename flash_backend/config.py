@@ -68,3 +68,9 @@ inductor_coalesce_tiling_analysis: bool = _env_flag("FLASH_BACKEND_INDUCTOR_COAL
 # output costs no (M, V) zeros in the backward (flash_backend/returned_linear.py). Off: AOTAutograd's
 # default (FLASH_BACKEND_DETACH_RETURNED_LOGITS=0).
 detach_returned_logits: bool = _env_flag("FLASH_BACKEND_DETACH_RETURNED_LOGITS", True)
+
+# Not a rewrite switch: our Triton kernels are handed to Inductor's compile workers as soon as Inductor's
+# codegen writes them, instead of when the generated module is loaded, so their compiles overlap the rest of
+# code generation (flash_backend/_early_kernel_compile.py). Off: Inductor's default
+# (FLASH_BACKEND_EARLY_KERNEL_COMPILE=0).
+early_kernel_compile: bool = _env_flag("FLASH_BACKEND_EARLY_KERNEL_COMPILE", True)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.attention_fwd import (
     LOG2E,
     _apply_mask,
@@ -1213,7 +1213,7 @@ def attention_backward_launch(
     *,
     atomic_dq=False,
     config=None,
-    launch=wrap_triton,
+    launch=traced_launch,
 ):
     """Fill dq, dk, dv (and dbias, attn_mask's shape, when given) for (B, H, S, D) inputs of any strides.
 
@@ -1285,7 +1285,7 @@ def attention_varlen_backward_launch(
     *,
     atomic_dq=False,
     config=None,
-    launch=wrap_triton,
+    launch=traced_launch,
 ):
     _, H, _ = q.shape
     Hkv = k.shape[1]

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from flash_backend._traced_launch import traced_launch
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -630,7 +630,7 @@ def attention_forward_launch(
     lse,
     *,
     config=None,
-    launch=wrap_triton,
+    launch=traced_launch,
 ):
     """Fill out (B, Hq, Sq, D) and lse (B, Hq, Sq) for (B, H, S, D) inputs of any strides."""
     B, H, Sq, _ = q.shape
@@ -685,7 +685,7 @@ def attention_varlen_forward_launch(
     lse,
     *,
     config=None,
-    launch=wrap_triton,
+    launch=traced_launch,
 ):
     """Packed (T, H, D) sequences: batch b is rows cu[b]:cu[b+1]; lse is (H, Tq)."""
     _, H, _ = q.shape

@@ -29,8 +29,9 @@ from typing import NamedTuple
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.add_dropout_norm_kernels import (
     _add_dropout_norm_bwd_kernel,
     _add_dropout_norm_fwd_kernel,
@@ -264,7 +265,7 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm,
                                 residual_in_fp32, return_residual, *, launch=None):
-    """Allocate the outputs and run the forward kernel. `launch` wraps the kernel (wrap_triton in the op)."""
+    """Allocate the outputs and run the forward kernel through `launch` (traced_launch in the op)."""
     out, residual_out, mean, rstd = _allocate_fwd(
         x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual
     )
@@ -418,7 +419,7 @@ def add_dropout_norm_fwd(
     args = (x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual)
     if x.device.type != "cuda":
         return _fwd_cpu(*args)
-    return add_dropout_norm_fwd_launch(*args, launch=wrap_triton)
+    return add_dropout_norm_fwd_launch(*args, launch=traced_launch)
 
 
 @triton_op("flash::add_dropout_norm_bwd", mutates_args=())
@@ -441,7 +442,7 @@ def add_dropout_norm_bwd(
             x_dtype, residual_dtype)
     if h.device.type != "cuda":
         return _bwd_cpu(*args)
-    return add_dropout_norm_bwd_launch(*args, launch=wrap_triton)
+    return add_dropout_norm_bwd_launch(*args, launch=traced_launch)
 
 
 add_dropout_norm_fwd.register_kernel("cpu")(_fwd_cpu)

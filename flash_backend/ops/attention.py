@@ -38,8 +38,9 @@ import math
 import os
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from flash_backend._traced_launch import traced_launch
 from flash_backend.ops._eager import direct_call_ok, plain_launch
 from flash_backend.ops._philox import (  # noqa: F401  (re-exported: the tests and bench read them here)
     DROPOUT_PHILOX_ROUNDS,
@@ -324,7 +325,7 @@ def _kernel_supports(q, k, v, attn_mask) -> bool:
 
 
 def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
-                           bottom_right, launch=wrap_triton):
+                           bottom_right, launch=traced_launch):
     """The body of flash::attention_forward; `launch` is plain_launch on the eager fast path."""
     out, lse = _alloc_forward(q, v)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
@@ -354,7 +355,7 @@ def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bot
 
 
 def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
-                            window_right, bottom_right, compute_dbias, deterministic, launch=wrap_triton):
+                            window_right, bottom_right, compute_dbias, deterministic, launch=traced_launch):
     """The body of flash::attention_backward; `launch` is plain_launch on the eager fast path."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = _alloc_dbias(q, attn_mask, compute_dbias)

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
 from flash_backend.ops._eager import plain_launch
 from flash_backend.ops.dense import cublaslt_ready
@@ -176,7 +177,7 @@ def _bwd_config(num_classes: int) -> tuple[int, int, int]:
 def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
                              launch=plain_launch) -> tuple[Tensor, Tensor]:
     """(loss (M,) fp32, lse (M,) fp32) of logits (M, V) with unit column stride. `launch` wraps the kernel
-    (wrap_triton inside the ops' bodies)."""
+    (traced_launch inside the ops' bodies)."""
     rows, num_classes = logits.shape
     loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
@@ -265,7 +266,7 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, tar
     else:
         logits = _empty_logits(x.shape[0], num_classes, x)
         logits.copy_(F.linear(x, weight, bias))
-    loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing, launch=wrap_triton)
+    loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing, launch=traced_launch)
     return logits, loss, lse
 
 
@@ -289,7 +290,7 @@ def linear_cross_entropy_bwd(grad_loss: Tensor, grad_logits: Tensor | None, x: T
     grad_logits = _unit_columns(grad_logits) if grad_logits is not None else None
     grad, grad_bias = cross_entropy_bwd_launch(grad_loss.float(), grad_logits, logits, lse, target,
                                                ignore_index, label_smoothing, bias_grad=has_bias,
-                                               launch=wrap_triton)
+                                               launch=traced_launch)
     grad_bias = grad_bias.to(x.dtype) if has_bias else x.new_empty(0)
     # The padded rows whole (zero past V) with the zero-padded weight: every GEMM dimension a multiple of 8.
     padded_weight, _ = _pad_classes(weight, None)

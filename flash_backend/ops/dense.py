@@ -42,9 +42,10 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from flash_backend import _cpp_build
+from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_erf_fwd_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
 from flash_backend.ops._eager import plain_launch
@@ -207,7 +208,7 @@ TRITON_CONFIGS = ((128, 256, 64, 8, 8, 3),)
 def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str, store_pre: bool,
                        config: tuple = TRITON_CONFIGS[0], launch=plain_launch) -> tuple[Tensor, Tensor]:
     """(gelu(x @ weight.T + bias), the pre-activation or an empty tensor) for 2-D x: the Triton kernel.
-    `launch` wraps the kernel (wrap_triton inside the ops)."""
+    `launch` wraps the kernel (traced_launch inside the ops)."""
     rows, k = x.shape
     n = weight.shape[0]
     out = x.new_empty(rows, n)
@@ -245,7 +246,7 @@ GELU_FWD_CONFIG = (2048, 4, True)
 def gelu_erf_forward(pre: Tensor, out: Tensor | None = None, config: tuple = GELU_FWD_CONFIG,
                      launch=plain_launch) -> Tensor:
     """F.gelu(pre) (erf) for a contiguous pre, into `out` (a new tensor if None; pre itself works: in
-    place). `launch` wraps the kernel (wrap_triton inside the ops' bodies)."""
+    place). `launch` wraps the kernel (traced_launch inside the ops' bodies)."""
     out = torch.empty_like(pre) if out is None else out
     numel = pre.numel()
     if numel:
@@ -259,8 +260,8 @@ def _erf_gelu_after(pre: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
     """(gelu(pre), pre or an empty tensor) for a GEMM's output pre: the erf forward's second half, in place
     when the pre-activation is not kept."""
     if store_pre:
-        return gelu_erf_forward(pre, launch=wrap_triton), pre
-    return gelu_erf_forward(pre, out=pre, launch=wrap_triton), pre.new_empty(0)
+        return gelu_erf_forward(pre, launch=traced_launch), pre
+    return gelu_erf_forward(pre, out=pre, launch=traced_launch), pre.new_empty(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     """(grad_out * gelu'(pre), its column sums or None) for contiguous 2-D (M, N) tensors, in one pass.
 
     The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed here; they are
-    returned in pre's dtype, as eager's `grad_pre.sum(0)`. `launch` wraps the kernel (wrap_triton inside
+    returned in pre's dtype, as eager's `grad_pre.sum(0)`. `launch` wraps the kernel (traced_launch inside
     the ops' bodies)."""
     m, n = pre.shape
     block_m, block_n, warps, per_sm, stages, poly_cdf = config
@@ -341,11 +342,11 @@ def _time_ms(fn, reps: int = 10) -> float:
 
 def _forward_implementations() -> dict:
     """name -> fn(x, weight, bias, approximate, store_pre): what each problem's first call times. The Triton
-    kernels go through wrap_triton, as the ops' bodies need (it launches directly outside tracing)."""
+    kernels go through traced_launch, as the ops' bodies need (it launches directly outside tracing)."""
     impls = {"cublaslt": _cublaslt_linear_gelu}
     for config in TRITON_CONFIGS:
         impls["triton" + "x".join(map(str, config))] = functools.partial(triton_linear_gelu, config=config,
-                                                                          launch=wrap_triton)
+                                                                          launch=traced_launch)
     return impls
 
 
@@ -448,7 +449,8 @@ def dense_gelu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pre: Tensor,
     if not _cublaslt_ok(x, weight):
         grads = dense_gelu_backward_reference(grad_out, x, weight, pre, approximate)
         return tuple(g.contiguous() for g in grads)
-    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate, launch=wrap_triton)
+    grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate,
+                                              launch=traced_launch)
     grad_x = (grad_pre @ weight).view(x.shape)
     return grad_x, grad_pre.t() @ _as_2d(x), grad_bias
 
