@@ -101,6 +101,20 @@ def _print_memo_entries() -> None:
             print(f"memo {name} {kernel_name}: {len(entries)} entries; differ in {varying}"[:600])
 
 
+def _print_kernel_bookkeeping() -> None:
+    """Rows of torch's kernel side table (flash_backend/_traced_launch.py), our kernels submitted at codegen
+    and the module loads that found a submitted compile (flash_backend/_early_kernel_compile.py)."""
+    from torch._dynamo.utils import counters
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from flash_backend import _early_kernel_compile
+
+    hits, misses = (counters["inductor"][f"async_compile_cache_{kind}"] for kind in ("hit", "miss"))
+    print(f"kernel side table rows {len(kernel_side_table.id_to_kernel)}; our kernels submitted at codegen "
+          f"{sum(_early_kernel_compile.submitted.values())}; async_compile cache hits {hits} of "
+          f"{hits + misses}")
+
+
 def profile_mode(config: str, mode: str, top: int, seen, spent) -> None:
     from flash_backend import _ttir_memo
     from flash_backend.backend import flash_backend as flash_backend_fn
@@ -132,6 +146,7 @@ def profile_mode(config: str, mode: str, top: int, seen, spent) -> None:
         print(f"  {name[:60]:60s} n={len(times):3d} {sum(times):7.2f} s")
     for name, times in spent.items():
         print(f"torch {name:40s} calls={len(times):4d} {sum(times):7.2f} s")
+    _print_kernel_bookkeeping()
     _print_memo_entries()
     if not profiler:
         return
