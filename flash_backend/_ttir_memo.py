@@ -10,9 +10,9 @@ on the H200, against Inductor's 27 s. With this cache: 16 generations, 0.9 s, a 
 
 What is cached: generate_ttir's result and the write analysis torch builds on it (identify_*_tensors),
 only for kernels defined in flash_backend, keyed on exactly what those functions read: the kernel object,
-and for every argument its name and either its kind and dtype (fake tensors and Inductor buffers:
-generate_ttir replaces them with `torch.empty(2, dtype)`), the marker "symbolic" (SymInt, SymFloat,
-SymBool, sympy: replaced with 2), or its value and type (everything else).
+and for every argument its name and either its dtype (fake tensors and Inductor buffers: generate_ttir
+replaces them with `torch.empty(2, dtype)`; the analyses also key on which of the two it is), the marker
+"symbolic" (SymInt, SymFloat, SymBool, sympy: replaced with 2), or its value and type (everything else).
 Each is a deterministic function of that key, so a hit returns what a fresh call would build.
 Anything the key cannot describe exactly (a real tensor, whose address alignment Triton specialises on;
 TMA descriptor metadata; an unhashable value) is not cached and goes to torch's functions unchanged.
@@ -50,15 +50,16 @@ def _is_our_kernel(kernel) -> bool:
     return False
 
 
-def _argument_key(value):
-    """What generate_ttir sees of one argument, or _NOT_CACHEABLE."""
+def _argument_key(value, tensor_kind: bool = True):
+    """What generate_ttir sees of one argument, or _NOT_CACHEABLE; tensor_kind=False keys a fake tensor and
+    an Inductor buffer of one dtype alike (generate_ttir itself cannot tell them apart)."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
         return ("symbolic",)
     inductor_ir = sys.modules.get("torch._inductor.ir")  # only Inductor's lowering passes its buffers
     if isinstance(value, FakeTensor) or (inductor_ir and isinstance(value, inductor_ir.TensorBox)):
-        # Both become torch.empty(2, dtype) for the IR; the analysis tells them apart (a TensorBox is not a
-        # torch.Tensor), so the kind is part of the key.
-        return ("tensor", type(value).__name__, value.dtype)
+        # Both become torch.empty(2, dtype) for the IR; the analysis may tell them apart (a TensorBox is not
+        # a torch.Tensor), so its key holds the kind.
+        return ("tensor", type(value).__name__ if tensor_kind else "any", value.dtype)
     if isinstance(value, torch.Tensor):
         return _NOT_CACHEABLE  # a real tensor: Triton specialises on its address alignment
     try:
@@ -89,7 +90,7 @@ def _kernel_identity(kernel):
     return kernel.fn, tuple(parts)
 
 
-def _cache_key(kernel, kwargs, tma_descriptor_metadata):
+def _cache_key(kernel, kwargs, tma_descriptor_metadata, tensor_kind: bool = True):
     """(inner kernel, hashable key) or None when the call must not be cached."""
     if tma_descriptor_metadata or not isinstance(kwargs, dict) or not _is_our_kernel(kernel):
         return None
@@ -99,21 +100,23 @@ def _cache_key(kernel, kwargs, tma_descriptor_metadata):
     inner, config_parts = identity
     parts = []
     for name in sorted(kwargs):
-        key = _argument_key(kwargs[name])
+        key = _argument_key(kwargs[name], tensor_kind)
         if key is _NOT_CACHEABLE:
             return None
         parts.append((name, key))
     return inner, (id(inner), config_parts, tuple(parts))
 
 
-def _memoize(function, copy_result):
+def _memoize(function, copy_result, tensor_kind: bool = True):
     """Cache `function(kernel, kwargs, tma_descriptor_metadata)` for our kernels; `copy_result` gives each
-    caller its own copy of the mutable parts of a cached result."""
+    caller its own copy of the mutable parts of a cached result; tensor_kind: whether fake tensors and
+    Inductor buffers of one dtype are told apart in the key (see _WRAPPED)."""
     cache: dict = {}
 
     @functools.wraps(function)
     def memoized(kernel, kwargs, tma_descriptor_metadata=None, *args, **kw):
-        keyed = _cache_key(kernel, kwargs, tma_descriptor_metadata) if not args and not kw else None
+        keyed = (_cache_key(kernel, kwargs, tma_descriptor_metadata, tensor_kind)
+                 if not args and not kw else None)
         if keyed is None:
             return function(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         inner, key = keyed
@@ -140,6 +143,10 @@ _WRAPPED = {
     "identify_mutated_tensors": list,
     "identify_accessed_tensors": copy.deepcopy,
 }
+# generate_ttir turns a fake tensor and an Inductor buffer alike into torch.empty(2, dtype), so one entry
+# serves the tracing phases (fake tensors) and Inductor's lowering (buffers): half the IR generations, ~60 ms
+# each for our kernels. The analyses keep the kind in their key (see _argument_key).
+_TENSOR_KIND_BLIND = frozenset({"generate_ttir"})
 
 
 def install() -> bool:
@@ -154,7 +161,8 @@ def install() -> bool:
         if current is None:
             continue
         if not hasattr(current, "_flash_cache"):
-            setattr(triton_kernel_wrap, name, _memoize(current, copy_result))
+            setattr(triton_kernel_wrap, name,
+                    _memoize(current, copy_result, tensor_kind=name not in _TENSOR_KIND_BLIND))
         installed = True
     if not installed:
         log.debug("torch has no triton_kernel_wrap.generate_ttir: no Triton-IR cache for our kernels")

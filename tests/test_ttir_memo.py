@@ -89,6 +89,30 @@ def test_symbolic_sizes_share_one_entry():
     assert stand_in.calls == 1
 
 
+def _inductor_buffer(dtype, n=64):
+    from torch._inductor import ir
+
+    layout = ir.FixedLayout(torch.device("cpu"), dtype, [8, n])
+    return ir.TensorBox(ir.StorageBox(ir.InputBuffer(name="buf", layout=layout)))
+
+
+@pytest.mark.parametrize("tensor_kind", [True, False])
+def test_fake_tensors_and_inductor_buffers_share_the_ir_entry_only(tensor_kind):
+    """generate_ttir (tensor_kind=False) sees a fake tensor and an Inductor buffer of one dtype alike; the
+    analyses (tensor_kind=True) keep them apart. A buffer of another dtype is a miss either way."""
+    stand_in = _CountingGenerate()
+    generate = _ttir_memo._memoize(stand_in, _ttir_memo._copy_ttir, tensor_kind)
+    kwargs = _fake_kwargs(FakeTensorMode())
+    generate(_attention_fwd_kernel, kwargs, {})
+    lowered = {**kwargs, "x": _inductor_buffer(torch.bfloat16), "out": _inductor_buffer(torch.bfloat16)}
+    generate(_attention_fwd_kernel, lowered, {})
+    assert stand_in.calls == (2 if tensor_kind else 1)
+    generate(_attention_fwd_kernel, {**lowered, "x": _inductor_buffer(torch.float16)}, {})
+    assert stand_in.calls == (3 if tensor_kind else 2)
+    assert "generate_ttir" in _ttir_memo._TENSOR_KIND_BLIND
+    assert not {"identify_mutated_tensors", "identify_accessed_tensors"} & _ttir_memo._TENSOR_KIND_BLIND
+
+
 @pytest.mark.parametrize("case", ["real tensor", "tma metadata", "unhashable", "not our kernel"])
 def test_what_the_key_cannot_describe_is_never_cached(case):
     stand_in = _CountingGenerate()
@@ -138,12 +162,14 @@ def test_cuda_every_cached_answer_equals_a_fresh_computation(monkeypatch):
     hits = {}
 
     def checking(name, original, copy_result):
-        memoized = _ttir_memo._memoize(original, copy_result)
+        tensor_kind = name not in _ttir_memo._TENSOR_KIND_BLIND
+        memoized = _ttir_memo._memoize(original, copy_result, tensor_kind)
 
         def check(kernel, kwargs, tma_descriptor_metadata=None):
             entries = len(memoized._flash_cache)
             result = memoized(kernel, kwargs, tma_descriptor_metadata)
-            cacheable = _ttir_memo._cache_key(kernel, kwargs, tma_descriptor_metadata) is not None
+            key = _ttir_memo._cache_key(kernel, kwargs, tma_descriptor_metadata, tensor_kind)
+            cacheable = key is not None
             if cacheable and len(memoized._flash_cache) == entries:  # answered from the cache
                 hits[name] = hits.get(name, 0) + 1
                 fresh = original(kernel, kwargs, tma_descriptor_metadata)
