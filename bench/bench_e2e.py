@@ -289,12 +289,12 @@ def _repeat_first_steps(config: str, modes: list[str], first_steps: dict, repeat
                 _run_isolated(config, mode, results, table, timeout_s, first_step_only=True))
     model, attn = CONFIGS[config][:2]
     for row in results.rows:
-        runs = first_steps.get(row["impl"])
+        runs = first_steps.get(row["impl"]) if row["impl"] in compiled else None
         if runs and (row["case"]["model"], row["case"]["attn"]) == (model, attn):
             row["first_step_s"] = round(statistics.median(runs), 2)
             row["first_step_runs_s"] = [round(t, 2) for t in runs]
     for entry in table:
-        if entry[0] == config and entry[1] in first_steps:
+        if entry[0] == config and entry[1] in compiled:
             entry[5] = statistics.median(first_steps[entry[1]])
     for mode in compiled:
         print(f"{config:11s} {mode:9s} first steps {', '.join(f'{t:.1f}' for t in first_steps[mode])} s: "
