@@ -141,14 +141,21 @@ def e2e() -> str:
             r = impls.get(name)
             if r is None or "throughput" not in r:
                 continue
+            runs = r.get("first_step_runs_s") if name != "eager" else None
+            first = f"{r['first_step_s']:.1f}" + (f" ({', '.join(f'{t:.1f}' for t in runs)})" if runs else "")
             rows.append([f"{model} ({attn} attn) B{batch}" + (f" S{seq}" if seq else ""), name,
                          round(r["throughput"]), r["unit"],
                          r["throughput"] / ind["throughput"] if ind else None,
-                         r["peak_mem_gib"], r["first_step_s"], r.get("loss_step20"),
+                         r["peak_mem_gib"], r["peak_mem_gib"] / ind["peak_mem_gib"] if ind else None,
+                         first, r["first_step_s"] / ind["first_step_s"] if ind else None,
+                         r.get("loss_step20"),
                          ", ".join(f"{k} {v}" for k, v in r.get("flash_rewrites", {}).items()) or ""])
-    header = ["model", "backend", "throughput", "unit", "x Inductor", "peak GiB", "first step s", "loss@20",
-              "rewrites"]
-    return _stamp(data) + "\n\n" + _table(header, rows)
+    header = ["model", "backend", "throughput", "unit", "x Inductor", "peak GiB", "mem x Inductor",
+              "first step s", "first step x Inductor", "loss@20", "rewrites"]
+    note = ("first step: the compiling step's wall time in a fresh process with empty caches; where runs are "
+            "listed in parentheses, the median of those fresh processes (bench_e2e.py --first-step-repeats), "
+            "else one run")
+    return _stamp(data) + "\n\n" + note + "\n\n" + _table(header, rows)
 
 
 def attention_dropout() -> str:
