@@ -199,15 +199,24 @@ def _run_mode(config: str, mode: str, results: Results, table: list, first_step_
     return first_step_s
 
 
+@contextlib.contextmanager
+def _empty_compile_caches():
+    """(scratch folder, environment) for a child process whose Inductor and Triton caches start empty; the
+    folder is removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix="flash_e2e_"))
+    try:
+        yield scratch, dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
+                            TRITON_CACHE_DIR=str(scratch / "triton"), PYTHONUNBUFFERED="1")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _run_isolated(config: str, mode: str, results: Results, table: list, timeout_s: float,
                   first_step_only: bool = False) -> float:
     """_run_mode in a child process with empty Inductor and Triton caches; its rows join ours. Returns the
     child's first-step wall time."""
-    scratch = Path(tempfile.mkdtemp(prefix="flash_e2e_"))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
-               TRITON_CACHE_DIR=str(scratch / "triton"), PYTHONUNBUFFERED="1")
-    out = scratch / "rows.json"
-    try:
+    with _empty_compile_caches() as (scratch, env):
+        out = scratch / "rows.json"
         command = [sys.executable, __file__, "--child", config, mode, str(out)]
         command += ["--first-step-only"] if first_step_only else []
         proc = subprocess.run(command, env=env, timeout=timeout_s, capture_output=True, text=True)
@@ -217,8 +226,6 @@ def _run_isolated(config: str, mode: str, results: Results, table: list, timeout
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             raise RuntimeError(f"child process failed (exit {proc.returncode}): {last}")
         got = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     results.rows.extend(got["rows"])
     table.extend(got["table"])
     return got["first_step_s"]
@@ -262,18 +269,14 @@ def _warm_machine(timeout_s: float) -> None:
             "f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x).sum())\n"
             "f(torch.randn(256, 256, device='cuda', requires_grad=True)).backward()\n"
             "torch.cuda.synchronize()\n")
-    scratch = Path(tempfile.mkdtemp(prefix="flash_e2e_warm_"))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
-               TRITON_CACHE_DIR=str(scratch / "triton"))
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout_s, capture_output=True,
-                              text=True)
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}"
-    except subprocess.TimeoutExpired:
-        status = "timed out"
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with _empty_compile_caches() as (_, env):
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout_s,
+                                  capture_output=True, text=True)
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-200:]}"
+        except subprocess.TimeoutExpired:
+            status = "timed out"
     print(f"machine warm-up compile (not timed in any row): {time.perf_counter() - t0:.1f} s, {status}",
           flush=True)
 

@@ -158,13 +158,19 @@ def test_compiled_graph_loads_our_kernels_from_the_early_compiles(monkeypatch, t
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    if not AsyncCompile.use_process_pool():  # warm the pool as Inductor would, then require it
+    inductor_config = torch._inductor.config
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    # Early submission needs Inductor's worker pool: ask for one even on a small machine, and wait until
+    # it is up (as Inductor's own early compiles do)
+    threads = inductor_config.compile_threads or inductor_config.decide_compile_threads()
+    monkeypatch.setattr(inductor_config, "compile_threads", max(2, threads))
+    if not AsyncCompile.use_process_pool():
         AsyncCompile.process_pool()
         if AsyncCompile._ready_future is not None:
             AsyncCompile._ready_future.result(timeout=120)
     if not AsyncCompile.use_process_pool():
-        pytest.skip("Inductor's compile pool is off here (compile_threads <= 1)")
+        pytest.skip("Inductor may not start compile workers from this process (a multiprocessing daemon): "
+                    "there is no pool to submit to early")
 
     def block(x, residual, weight, bias):
         h = torch.nn.functional.dropout(x, 0.1, training=True) + residual

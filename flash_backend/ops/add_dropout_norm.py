@@ -264,7 +264,7 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm,
-                                residual_in_fp32, return_residual, *, launch=None):
+                                residual_in_fp32, return_residual, *, launch=plain_launch):
     """Allocate the outputs and run the forward kernel through `launch` (traced_launch in the op)."""
     out, residual_out, mean, rstd = _allocate_fwd(
         x, residual, weight, eps, dropout_p, is_rms_norm, residual_in_fp32, return_residual
@@ -279,7 +279,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
     res_out2 = residual_out.view(-1, n) if store_h else out2
     block_n, num_chunks = _block_and_chunks(n, _MAX_FUSED_N_FWD)
     has_dropout = dropout_p > 0.0
-    kernel = (launch or (lambda k: k))(_add_dropout_norm_fwd_kernel)
+    kernel = launch(_add_dropout_norm_fwd_kernel)
     kernel[(m,)](
         x2, res2 if res2 is not None else x2, weight if weight is not None else x2,
         bias if bias is not None else x2, seed if has_dropout else rstd,
@@ -319,7 +319,8 @@ def bwd_config(n: int, is_rms_norm: bool, row_bytes: int = 6) -> BwdConfig:
 
 
 def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm,
-                                has_residual, x_dtype, residual_dtype, *, launch=None, config=None):
+                                has_residual, x_dtype, residual_dtype, *, launch=plain_launch,
+                                config=None):
     """Allocate the grads and run the backward kernel. `config` (a BwdConfig or tuple) overrides the shipped
     launch shape, for sweeps and tests."""
     dx, dresidual, dweight, dbias = _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype)
@@ -359,7 +360,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     dw_partial = torch.empty((programs, n) if weight is not None else (0,), **f32)
     db_partial = torch.empty((programs, n) if bias is not None else (0,), **f32)
     has_dropout = dropout_p > 0.0
-    kernel = (launch or (lambda k: k))(_add_dropout_norm_bwd_kernel)
+    kernel = launch(_add_dropout_norm_bwd_kernel)
     kernel[(programs,)](
         h2, dy2, dres_out2 if dres_out2 is not None else dy2, weight if weight is not None else h2,
         mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
@@ -377,7 +378,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     )
     if weight is not None or bias is not None:
         block_n = _partial_sums_block(n)
-        sum_partials = (launch or (lambda k: k))(_sum_partials_kernel)
+        sum_partials = launch(_sum_partials_kernel)
         sum_partials[(triton.cdiv(n, block_n),)](
             dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
             dweight if weight is not None else rstd, dbias if bias is not None else rstd, programs, n,
