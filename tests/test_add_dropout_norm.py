@@ -4,7 +4,6 @@ under the interpreter (tiny shapes); the CUDA kernels against an fp64 reference 
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
 import flash_backend.ops.add_dropout_norm as adn
 from flash_backend.ops._philox import dropout_scale
@@ -343,32 +342,6 @@ def test_interpret_chunked_rows(monkeypatch, rms):
     monkeypatch.setattr(adn, "_MAX_FUSED_N_FWD", 16)
     for n in (17, 100):
         _compare_launchers(5, n, torch.float32, rms, 0.2, True, bwd_config=adn.BwdConfig(8, 32, max_fused=32))
-
-
-@pytest.mark.interpret
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
-@pytest.mark.parametrize(("programs", "n", "has_weight", "has_bias", "dtype"), [
-    (600, 37, True, True, torch.bfloat16),  # several row tiles (BLOCK_P = 256 at 16 columns), masked columns
-    (5, 1000, True, False, torch.float32),
-    (300, 4100, False, True, torch.float16),  # 32 columns a program
-])
-def test_interpret_sum_partials(programs, n, has_weight, has_bias, dtype):
-    """The backward's last launch: the column sums of the per-program dW / dB partials, cast to the
-    parameters' dtype (on CPU the launcher has at most 4 programs: here the row loop runs several tiles)."""
-    from flash_backend.kernels.add_dropout_norm_kernels import _sum_partials_kernel
-
-    gen = torch.Generator().manual_seed(n)
-    partials = [torch.randn(programs, n, generator=gen) if has else torch.empty(0) for has in (has_weight,
-                                                                                               has_bias)]
-    outs = [torch.full((n,), float("nan"), dtype=dtype) if has else torch.empty(0) for has in (has_weight,
-                                                                                               has_bias)]
-    block_n = adn._partial_sums_block(n)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](*partials, *outs, programs, n, HAS_WEIGHT=has_weight,
-                                                      HAS_BIAS=has_bias, BLOCK_P=adn._PARTIAL_TILE // block_n,
-                                                      BLOCK_N=block_n)
-    for has, partial, out in zip((has_weight, has_bias), partials, outs, strict=True):
-        if has:
-            torch.testing.assert_close(out, partial.sum(0).to(dtype))
 
 
 class _LaunchSpy:

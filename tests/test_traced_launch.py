@@ -11,7 +11,8 @@ import triton
 from triton.runtime.autotuner import Autotuner
 
 from flash_backend import _traced_launch
-from flash_backend.kernels.add_dropout_norm_kernels import _add_dropout_norm_fwd_kernel, _sum_partials_kernel
+from flash_backend.kernels.add_dropout_norm_kernels import _add_dropout_norm_fwd_kernel
+from flash_backend.kernels.partial_sums import _sum_partials_kernel
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Forward: one program per row. A row of up to BLOCK_N columns is held in registers; wider rows loop over
 BLOCK_N-wide chunks (Chan-merged statistics while writing h, then a second pass that re-reads h).
 Backward: persistent programs of rows_per_program rows each keep their partial dW/dB in registers and write
-one partial row each, which _sum_partials_kernel then sums (one launch for dW and dB). A row that fits in
+one partial row each, which kernels/partial_sums.py then sums (one launch for dW and dB). A row that fits in
 registers is handled one row per loop iteration (ROWS_PER_ITER = 1: a loop Triton pipelines through shared
 memory, PIPELINE_STAGES > 0, or one that prefetches the next row into registers by hand, PREFETCH) or as a
 [ROWS_PER_ITER, BLOCK_N] tile, which puts several rows' loads in flight before the block-wide reductions
@@ -523,39 +523,3 @@ def _add_dropout_norm_bwd_kernel(
                 tl.store(DW_PARTIAL + pid * N + cols, dw, mask=cols < N)
             if HAS_BIAS:
                 tl.store(DB_PARTIAL + pid * N + cols, db, mask=cols < N)
-
-
-@triton.jit
-def _sum_partials_kernel(
-    DW_PARTIAL,  # (P, N) fp32: each backward program's dW partial (HAS_WEIGHT)
-    DB_PARTIAL,  # (P, N) fp32: each backward program's dB partial (HAS_BIAS)
-    DW,  # (N,) out, the weight's dtype
-    DB,  # (N,) out, the bias's dtype
-    P,  # partial rows
-    N,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # The column sums of both partials in one launch (summed by torch they were two split reductions a
-    # parameter, four launches a norm: BERT-base ran 104 of them a step). A program owns BLOCK_N columns and
-    # walks the P rows in [BLOCK_P, BLOCK_N] tiles of both buffers, so both sets of loads are in flight.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    dw = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    start = 0
-    while start < P:  # a runtime bound: the interpreter cannot range() over one
-        rows = start + tl.arange(0, BLOCK_P)
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        mask = (rows[:, None] < P) & col_mask[None, :]
-        if HAS_WEIGHT:
-            dw += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0)
-        if HAS_BIAS:
-            db += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0)
-        start += BLOCK_P
-    if HAS_WEIGHT:
-        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)

@@ -35,8 +35,8 @@ from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.add_dropout_norm_kernels import (
     _add_dropout_norm_bwd_kernel,
     _add_dropout_norm_fwd_kernel,
-    _sum_partials_kernel,
 )
+from flash_backend.kernels.partial_sums import sum_partials
 from flash_backend.ops._eager import direct_call_ok, plain_launch
 from flash_backend.ops._philox import (
     DROPOUT_PHILOX_ROUNDS,
@@ -377,26 +377,10 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         **({"num_stages": cfg.num_stages} if cfg.num_stages else {}),
     )
     if weight is not None or bias is not None:
-        block_n = _partial_sums_block(n)
-        sum_partials = launch(_sum_partials_kernel)
-        sum_partials[(triton.cdiv(n, block_n),)](
-            dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
-            dweight if weight is not None else rstd, dbias if bias is not None else rstd, programs, n,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_P=_PARTIAL_TILE // block_n,
-            BLOCK_N=block_n, num_warps=4)
+        # (an absent parameter's gradient is an empty placeholder here, not None)
+        sum_partials(*((dw_partial, dweight) if weight is not None else (None, None)),
+                     *((db_partial, dbias) if bias is not None else (None, None)), launch)
     return dx, dresidual, dweight, dbias
-
-
-_PARTIAL_TILE = 4096  # elements of one [BLOCK_P, BLOCK_N] tile of the partial sums (16 KB of fp32)
-
-
-def _partial_sums_block(n: int) -> int:
-    """Columns per program of _sum_partials_kernel: ~128 programs or more (N=768: 48 programs of 16 columns),
-    16 to 128 columns each."""
-    block = 16
-    while block < 128 and n // (2 * block) >= 128:
-        block *= 2
-    return block
 
 
 # ----------------------------------------------------------------------------------------------------------
