@@ -408,9 +408,14 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, attn_mask, seed, out, lse)
     ctx.params = (dropout_p, scale, window_left, window_right, bottom_right)
     ctx.mark_non_differentiable(lse)
+    # No zero-filled grad for lse (non-differentiable): materialising it cost a fill kernel and ~0.1 ms of
+    # host time per eager backward on the H200 host (scratch probe, session 3).
+    ctx.set_materialize_grads(False)
 
 
 def _backward_with(ctx, dout, attention_backward_fn):
+    if dout is None:  # out does not reach the loss: every input grad is zero
+        return (None,) * 10
     q, k, v, attn_mask, seed, out, lse = ctx.saved_tensors
     compute_dbias = bool(attn_mask is not None and ctx.needs_input_grad[3])
     dq, dk, dv, dbias = attention_backward_fn(
@@ -433,15 +438,10 @@ class _DirectAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _attention_forward_impl(*inputs, launch=plain_launch)
         _forward_setup_context(ctx, inputs, output)
-        # No zero-filled grad for lse (non-differentiable): materialising it cost a fill kernel and
-        # ~0.1 ms of host time per backward on the H200 host (scratch probe, session 3).
-        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # out does not reach the loss: every input grad is zero
-            return (None,) * 10
         return _backward_with(ctx, dout, functools.partial(_attention_backward_impl, launch=plain_launch))
 
 
@@ -510,9 +510,12 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.max_seqlens = (max_q, max_k)
     ctx.params = tuple(params)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros for lse's grad, as _forward_setup_context
 
 
 def _varlen_backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 13
     q, k, v, cu_q, cu_k, seed, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
                                                            *ctx.max_seqlens, seed, *ctx.params)
