@@ -169,9 +169,10 @@ def forward_paths():
 
 
 # (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages, erf GELU's CDF by polynomial) candidates of
-# the GELU' + bias-gradient pass (the first three of the sweep at 0150b1a, each both ways).
-GELU_BWD_CANDIDATES = [(16, 256, 4, 8, 3, False), (16, 256, 4, 8, 3, True), (32, 128, 4, 8, 2, False),
-                       (32, 128, 4, 8, 2, True), (32, 128, 4, 4, 1, False), (32, 128, 4, 4, 1, True)]
+# the GELU' + bias-gradient pass: session 10's pick, then the best of a 24-config sweep at N = 3072
+# (bench/logs/dense_gelu_backward_sweep_h200.log) for tanh and for erf, and two runners-up.
+GELU_BWD_CANDIDATES = [(32, 128, 4, 8, 2, True), (16, 128, 4, 16, 2, True), (8, 256, 2, 16, 3, True),
+                       (32, 128, 4, 8, 3, True), (16, 256, 4, 8, 3, True)]
 
 
 def _gelu_backward_at(results: Results, pre: torch.Tensor, grad: torch.Tensor, approximate: str) -> dict:

@@ -270,12 +270,15 @@ def _erf_gelu_after(pre: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages, erf GELU's CDF by polynomial) of the GELU' +
-# bias-gradient pass. The pass is memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in flight
-# (times the stages), and the grid asks for enough row chunks to fill every SM a few times over while each
-# program walks many rows (fewer partial sums). H200 sweep over 5 (M, N) and both GELUs (bench_dense.py
-# --gelu-backward, bench/logs/dense_gelu_backward_h200.log): 32x128, 4 warps, 8 per SM, 2 stages, erf's
-# CDF by polynomial: 1.23x aten.gelu_backward + sum(0) in geometric mean, 1.17x at worst (2.4-3.6 TB/s).
-GELU_BWD_CONFIG = (32, 128, 4, 8, 2, True)
+# bias-gradient pass, per GELU. The pass is memory-bound: a program keeps 2 x BLOCK_M x BLOCK_N elements in
+# flight (times the stages), and the grid asks for enough row chunks to fill every SM a few times over while
+# each program walks many rows (fewer partial sums). Session 10's sweep over 5 (M, N) and both GELUs
+# (bench/logs/dense_gelu_backward_h200.log) picked 32x128 / 4 warps / 8 per SM / 2 stages for both: 1.23x
+# aten.gelu_backward + sum(0) in geometric mean. A wider sweep at N = 3072 (24 configs, M = 8192-16384,
+# bench/logs/dense_gelu_backward_sweep_h200.log) splits them: tanh's GELU' is cheap and runs best on
+# narrow tiles with more programs per SM (85.0 vs 89.5 us at 16384 x 3072); erf's polynomial CDF on
+# 8-row tiles of 256 columns, 2 warps, 3 stages (85.7 vs 93.0 us).
+GELU_BWD_CONFIGS = {"tanh": (16, 128, 4, 16, 2, True), "none": (8, 256, 2, 16, 3, True)}
 
 
 def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
@@ -287,14 +290,14 @@ def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per
 
 
 def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_dbias: bool = True,
-                        config: tuple = GELU_BWD_CONFIG, launch=plain_launch) -> tuple[Tensor, Tensor | None]:
+                        config: tuple | None = None, launch=plain_launch) -> tuple[Tensor, Tensor | None]:
     """(grad_out * gelu'(pre), its column sums or None) for contiguous 2-D (M, N) tensors, in one pass.
 
     The column sums (the bias gradient) accumulate in fp32 per row chunk and are summed by one more launch
     (kernels/partial_sums.py); they are returned in pre's dtype, as eager's `grad_pre.sum(0)`. `launch`
-    wraps the kernels (traced_launch inside the ops' bodies)."""
+    wraps the kernels (traced_launch inside the ops' bodies). `config` overrides GELU_BWD_CONFIGS."""
     m, n = pre.shape
-    block_m, block_n, warps, per_sm, stages, poly_cdf = config
+    block_m, block_n, warps, per_sm, stages, poly_cdf = config or GELU_BWD_CONFIGS[approximate]
     block_n = min(block_n, triton.next_power_of_2(n))
     if block_m * n >= 2**31:  # the kernel's in-tile offsets are int32
         grad_pre = torch.ops.aten.gelu_backward(grad_out, pre, approximate=approximate)
