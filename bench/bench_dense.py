@@ -8,9 +8,10 @@ max-autotune and torch._addmm_activation (forward only), forward and forward+bac
 
 Two timings per row: `ms`, the call from Python (do_bench), and `graph_ms`, the same step captured in a
 CUDA graph and replayed: the GPU time alone, the implementations of a case replayed in interleaved rounds
-(one after the other, the same GEMMs measured up to 10 % apart as the chip's clock drifted). At K=768 the Python side of every implementation is as long
-as its kernels on the lent H200 host and varies by +-30 % between runs (bench/NOTES_dense.md), so the
-table's ratios are on GPU time, the time a compiled model's graph pays.
+(one after the other, the same GEMMs measured up to 10 % apart as the chip's clock drifted). At K=768 the
+Python side of every implementation is as long as its kernels on the lent H200 host and varies by +-30 %
+between runs (bench/NOTES_dense.md), so the table's ratios are on GPU time, the time a compiled model's
+graph pays.
 
 Inductor max-autotune compiles for minutes per shape: it runs on the first --autotune-shapes shapes at
 M=16384 (see SHAPES), and stops once --autotune-budget-s is spent; the table says which ran.
@@ -176,10 +177,10 @@ def forward_paths():
 
 
 # (BLOCK_M, BLOCK_N, num_warps, programs per SM, loop stages, erf GELU's CDF by polynomial) candidates of
-# the GELU' + bias-gradient pass: session 10's pick, then the best of a 24-config sweep at N = 3072
-# (bench/logs/dense_gelu_backward_sweep_h200.log) for tanh and for erf, and two runners-up.
-GELU_BWD_CANDIDATES = [(32, 128, 4, 8, 2, True), (16, 128, 4, 16, 2, True), (8, 256, 2, 16, 3, True),
-                       (32, 128, 4, 8, 3, True), (16, 256, 4, 8, 3, True)]
+# the GELU' + bias-gradient pass: session 10's pick, then the best of the sweeps at N = 3072
+# (bench/logs/dense_gelu_backward_sweep*_h200.log) for tanh and for erf, and runners-up.
+GELU_BWD_CANDIDATES = [(32, 128, 4, 8, 2, True), (16, 128, 4, 8, 2, True), (16, 128, 4, 16, 2, True),
+                       (8, 256, 2, 16, 3, True), (32, 128, 4, 8, 3, True), (16, 256, 4, 8, 3, True)]
 
 
 def _gelu_backward_at(results: Results, pre: torch.Tensor, grad: torch.Tensor, approximate: str) -> dict:

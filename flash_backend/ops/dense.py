@@ -275,10 +275,12 @@ def _erf_gelu_after(pre: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
 # each program walks many rows (fewer partial sums). Session 10's sweep over 5 (M, N) and both GELUs
 # (bench/logs/dense_gelu_backward_h200.log) picked 32x128 / 4 warps / 8 per SM / 2 stages for both: 1.23x
 # aten.gelu_backward + sum(0) in geometric mean. A wider sweep at N = 3072 (24 configs, M = 8192-16384,
-# bench/logs/dense_gelu_backward_sweep_h200.log) splits them: tanh's GELU' is cheap and runs best on
-# narrow tiles with more programs per SM (85.0 vs 89.5 us at 16384 x 3072); erf's polynomial CDF on
-# 8-row tiles of 256 columns, 2 warps, 3 stages (85.7 vs 93.0 us).
-GELU_BWD_CONFIGS = {"tanh": (16, 128, 4, 16, 2, True), "none": (8, 256, 2, 16, 3, True)}
+# bench/logs/dense_gelu_backward_sweep_h200.log, ..._sweep2_h200.log) splits them: tanh's GELU' is cheap
+# and runs best on 16x128 tiles, 8 programs per SM (84.2 vs 89.5 us at 16384 x 3072, 46.2 vs 49.1 at
+# 8192 x 3072); erf's polynomial CDF on 8-row tiles of 256 columns, 2 warps, 3 stages (85.7 vs 93.0 us).
+# The fp32 column-sum tile costs registers: 62 a thread at 16x128 / 4 warps (32 without it), so 8 programs
+# fit an SM where 16 were asked for, and the pass runs ~4 us slower than without the sums.
+GELU_BWD_CONFIGS = {"tanh": (16, 128, 4, 8, 2, True), "none": (8, 256, 2, 16, 3, True)}
 
 
 def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
