@@ -50,13 +50,19 @@ def capture_graph(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def graph_ms(step) -> float | None:
-    """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
+def capture_graph_or_none(step) -> torch.cuda.CUDAGraph | None:
+    """capture_graph, or None after printing why the step could not be captured (the benchmark goes on)."""
     try:
-        return bench_ms(capture_graph(step).replay)
+        return capture_graph(step)
     except Exception as e:  # report, keep benchmarking the rest
         print(f"  graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
+
+
+def graph_ms(step) -> float | None:
+    """GPU time alone: the step captured in a CUDA graph and replayed (no Python launch overhead)."""
+    graph = capture_graph_or_none(step)
+    return bench_ms(graph.replay) if graph is not None else None
 
 
 def interleaved_graph_us(graphs: dict, rounds: int = 7, reps: int = 30) -> dict:

@@ -357,8 +357,8 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         rows_per_program = const_rows_per_program = triton.next_power_of_2(rows_per_program)
     programs = triton.cdiv(m, rows_per_program)
     f32 = dict(dtype=torch.float32, device=h.device)
-    dw_partial = torch.empty((programs, n) if weight is not None else (0,), **f32)
-    db_partial = torch.empty((programs, n) if bias is not None else (0,), **f32)
+    dw_partial = torch.empty((programs, n), **f32) if weight is not None else None
+    db_partial = torch.empty((programs, n), **f32) if bias is not None else None
     has_dropout = dropout_p > 0.0
     kernel = launch(_add_dropout_norm_bwd_kernel)
     kernel[(programs,)](
@@ -377,9 +377,9 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         **({"num_stages": cfg.num_stages} if cfg.num_stages else {}),
     )
     if weight is not None or bias is not None:
-        # (an absent parameter's gradient is an empty placeholder here, not None)
-        sum_partials(*((dw_partial, dweight) if weight is not None else (None, None)),
-                     *((db_partial, dbias) if bias is not None else (None, None)), launch)
+        # an absent parameter's gradient is an empty placeholder (the op returns it), its partial None
+        sum_partials(dw_partial, dweight if weight is not None else None, db_partial,
+                     dbias if bias is not None else None, launch)
     return dx, dresidual, dweight, dbias
 
 
