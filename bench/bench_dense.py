@@ -375,6 +375,11 @@ def main():
           "approximate, training):")
     for key, name in sorted(forward_path_choices().items(), key=str):
         print(f"  {key[2:]}: {name}")
+    from flash_backend.ops.dense import cublaslt_algo_picks
+
+    print("cuBLASLt algorithm picked per GEMM problem (candidate kept of those timed, fastest us each):")
+    for pick in cublaslt_algo_picks():
+        print(f"  {pick}")
     print(markdown_table(
         ["GELU", "M", "K", "N", "mode", "flash", "eager", "inductor", "max-autotune", "addmm_act",
          "flash/inductor", "flash/best other"], table))

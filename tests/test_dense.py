@@ -1,5 +1,7 @@
 """flash::dense_gelu_* / dense_bias_*: reference, op contract, autograd, errors; cuBLASLt on the GPU."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,6 +214,31 @@ def _errors(fn, ref_fn, x, w, b, grad):
 def test_extension_builds():
     dense._extension()
     assert hasattr(torch.ops.flash, "cublaslt_linear_gelu_tanh")
+
+
+def test_cpu_has_no_algo_picks(monkeypatch):
+    monkeypatch.setattr(dense._cpp_build, "_loaded", {})
+    assert dense.cublaslt_algo_picks() == []
+
+
+@pytest.mark.cuda
+def test_algo_picks_report_each_timed_problem():
+    """A GEMM problem not seen before is timed over its candidates once: one line naming the problem, the
+    kept candidate and a time per candidate; calling it again times nothing."""
+    k, n = 264, 1064  # a problem no other test uses
+    x, w, b = _inputs((517, k), n, torch.bfloat16, "cuda")
+    linear_bias(x, w, b)
+    picks = dense.cublaslt_algo_picks()
+    mine = [p for p in picks if f"x{k}/" in p and f"{n}x" in p]
+    assert len(mine) == 1, picks
+    line = r": candidate (\d+) of (\d+) \(id \d+ tile \d+ stages \d+ splitk \d+\), us( (\d+\.\d+|fail))+$"
+    assert re.search(line, mine[0]), mine[0]
+    kept, found = map(int, re.search(r"candidate (\d+) of (\d+)", mine[0]).groups())
+    times = mine[0].rsplit(", us ", 1)[1].split()
+    assert len(times) == found and times[kept] != "fail"
+    assert float(times[kept]) == min(float(t) for t in times if t != "fail")
+    linear_bias(x, w, b)
+    assert len(dense.cublaslt_algo_picks()) == len(picks)
 
 
 @pytest.mark.cuda

@@ -168,6 +168,15 @@ def cublaslt_ready(x: Tensor) -> bool:
     return True
 
 
+def cublaslt_algo_picks() -> list[str]:
+    """One line per GEMM problem csrc timed its cuBLASLt candidates for in this process: the problem's key
+    (device/dtype/transposes/MxNxK/leading dims/epilogue/alignments), the candidate it kept, and each
+    candidate's fastest time. Empty where csrc was never built or used."""
+    if "dense_gelu" not in _cpp_build._loaded:
+        return []
+    return list(torch.ops.flash.cublaslt_algo_picks())
+
+
 def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
     return x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0 and cublaslt_ready(x)
 
