@@ -25,7 +25,8 @@ Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,flash_co
 (ops/add_dropout_norm.py: BwdConfig, the shipped one first) for N in SWEEP_NS, LayerNorm and RMSNorm; one
 `SWEEP bwd` line per candidate (with its grads' largest difference from the shipped shape's, relative to
 the largest grad), then `BEST bwd` per (N, norm) and a suggested _BWD_CONFIGS table. The time budget is
-shared evenly by the (N, norm) cases still to run; a case out of time skips its remaining candidates.
+shared evenly by the (N, norm) cases still to run; a case out of time skips its remaining candidates. The
+candidates of a case are timed together, in interleaved rounds, after all of them are compiled.
 Each line prints `async_copies`: the row loads Triton's pipeliner turned into asynchronous copies.
 """
 
@@ -46,7 +47,16 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flash_backend.ops.add_dropout_norm as adn  # noqa: E402
-from bench._common import Results, bench_ms, env_info, graph_ms, markdown_table, max_rel_diff  # noqa: E402
+from bench._common import (  # noqa: E402
+    Results,
+    bench_ms,
+    capture_graph_or_none,
+    env_info,
+    graph_ms,
+    interleaved_graph_us,
+    markdown_table,
+    max_rel_diff,
+)
 from flash_backend.backend import flash_backend  # noqa: E402
 from flash_backend.ops.add_dropout_norm import BwdConfig, add_dropout_norm  # noqa: E402
 
@@ -98,8 +108,17 @@ def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
     of time drops the tail). BwdConfig(elems_per_thread, warps_per_sm, rows_per_iter, max_fused). Tiles of
     2+ rows keep elems_per_thread * 2 bytes >= 16: narrower rows per thread than a 16-byte load make Triton
     convert the tile between layouts through shared memory."""
+    shipped = adn.bwd_config(n, is_rms_norm)
     cands = [
-        adn.bwd_config(n, is_rms_norm),
+        shipped,
+        # The row re-read after its reductions (L1/L2) instead of its fp32 terms held through them
+        shipped._replace(reload_rows=True),
+        BwdConfig(8, 16, pipeline_stages=3, reload_rows=True),
+        BwdConfig(16, 16, pipeline_stages=3, reload_rows=True),
+        BwdConfig(8, 32, pipeline_stages=3, reload_rows=True),
+        BwdConfig(8, 16, prefetch=True, reload_rows=True),
+        BwdConfig(16, 16, reload_rows=True),
+        BwdConfig(8, 32, reload_rows=True),
         # The one-row loop pipelined by Triton (row loads as asynchronous copies to shared memory, stages - 1
         # rows ahead, no registers held for them)
         BwdConfig(8, 16, pipeline_stages=3),
@@ -126,7 +145,11 @@ def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
         BwdConfig(8, 16, 4),
     ]
     if n > 8192:  # whole rows in registers past the shipped 8192 (RMSNorm -32% at 16384 earlier)
-        cands[1:1] = [BwdConfig(16, 32, 1, 16384), BwdConfig(32, 16, 1, 16384), BwdConfig(16, 32, 2, 16384)]
+        cands[1:1] = [BwdConfig(32, 16, 1, 16384, reload_rows=True),
+                      BwdConfig(16, 32, 1, 16384, reload_rows=True),
+                      BwdConfig(16, 16, 1, 16384, reload_rows=True),
+                      BwdConfig(16, 32, 1, 16384, pipeline_stages=2, reload_rows=True),
+                      BwdConfig(16, 32, 1, 16384), BwdConfig(32, 16, 1, 16384), BwdConfig(16, 32, 2, 16384)]
     return cands
 
 
@@ -139,11 +162,12 @@ def _effective_launch(n: int, cfg: BwdConfig) -> tuple:
     rows_per_iter = cfg.rows_per_iter if num_chunks == 1 else 1
     stages = cfg.pipeline_stages if rows_per_iter == 1 and num_chunks == 1 else 0
     prefetch = bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1 and not stages
-    return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages, prefetch, stages
+    reload = bool(cfg.reload_rows) and rows_per_iter == 1 and num_chunks == 1
+    return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages, prefetch, stages, reload
 
 
 class _Capture:
-    """`launch=` wrapper keeping the compiled kernel of the last launch (for its registers and spills)."""
+    """`launch=` wrapper keeping the compiled kernel of the first launch (for its registers and spills)."""
 
     compiled = None
 
@@ -153,8 +177,10 @@ class _Capture:
         class _Grid:
             def __getitem__(self, grid):
                 def run(*args, **kwargs):
-                    capture.compiled = kernel[grid](*args, **kwargs)
-                    return capture.compiled
+                    compiled = kernel[grid](*args, **kwargs)
+                    if capture.compiled is None:  # the backward kernel, not the partial sums' after it
+                        capture.compiled = compiled
+                    return compiled
 
                 return run
 
@@ -170,7 +196,9 @@ def _async_copies(compiled) -> int | str:
 
 
 def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[BwdConfig, float]]:
-    """Time each candidate of (n, rms) until case_end; returns (cfg, us) of those whose grads match."""
+    """Compile, check and capture each candidate of (n, rms) until case_end, then time all captured ones in
+    interleaved rounds (one after the other, the same kernel measured up to 5 % apart as the chip's clock
+    drifted); returns (cfg, us) of those whose grads match, the shipped shape first."""
     norm = "rmsnorm" if rms else "layernorm"
     (x, residual, weight, bias), _ = make_case(n, rms, requires_grad=False)
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cuda")
@@ -180,7 +208,7 @@ def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[B
     del x, residual, fwd_args
     bwd_args = (dy, dres, h, weight, bias, mean, rstd, seed, P, rms, True, DTYPE, DTYPE)
     nbytes = 5 * DTYPE.itemsize * M * n  # read dy, dh, h; write dx, dresidual
-    rows, seen, ref = [], set(), None
+    graphs, notes, seen, ref = {}, {}, set(), None
     for cfg in bwd_candidates(n, rms):
         key = _effective_launch(n, cfg)
         if key in seen:
@@ -195,24 +223,27 @@ def _sweep_case(n: int, rms: bool, case_end: float, copy: float) -> list[tuple[B
             got = step(launch=capture)  # compiles
             err = 0.0 if ref is None else max_rel_diff(got, ref)
             ref = got if ref is None else ref
-            gms = graph_ms(step)
+            graph = capture_graph_or_none(step)
         except Exception as e:  # report, keep sweeping
             print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} FAIL {type(e).__name__}: {str(e)[:200]}",
                   flush=True)
             continue
-        if gms is None:
+        if graph is None:
             continue
         k = capture.compiled
         _, chunks, warps, programs, rows_per_iter, *_ = key
+        graphs[cfg] = graph
+        notes[cfg] = (f"warps={warps} programs={programs} chunks={chunks} rows_per_iter={rows_per_iter} "
+                      f"regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} "
+                      f"async_copies={_async_copies(k)}", err)
+    rows = []
+    for cfg, us in interleaved_graph_us(graphs, rounds=5, reps=10).items():
+        note, err = notes[cfg]
         bad = "  MISMATCH" if err > 2e-2 else ""
-        print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} us={gms * 1e3:.1f} "
-              f"TB/s={nbytes / gms / 1e9:.2f} of_copy={nbytes / gms / 1e9 / copy:.2f} warps={warps} "
-              f"programs={programs} chunks={chunks} rows_per_iter={rows_per_iter} "
-              f"regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} "
-              f"async_copies={_async_copies(k)} err={err:.1e}{bad}",
-              flush=True)
+        print(f"SWEEP bwd N={n} norm={norm} cfg={tuple(cfg)} us={us:.1f} TB/s={nbytes / us / 1e6:.2f} "
+              f"of_copy={nbytes / us / 1e6 / copy:.2f} {note} err={err:.1e}{bad}", flush=True)
         if not bad:
-            rows.append((cfg, gms * 1e3))
+            rows.append((cfg, us))
     return rows
 
 

@@ -363,7 +363,7 @@ class _LaunchSpy:
 
 def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bias, has_dres,
                        dtype=torch.float32, device="cpu", expect_rows_per_iter=None, expect_prefetch=None,
-                       expect_stages=None):
+                       expect_stages=None, expect_reload=None):
     """The backward launcher under `config` against the reference backward, on forward outputs of the kernel's
     own reference (so that only the backward is under test)."""
     x, r, w, b = _inputs((rows, n), dtype, device, has_residual, has_weight, has_bias and not rms)
@@ -380,6 +380,8 @@ def _check_bwd_variant(config, rows, n, rms, p, has_residual, has_weight, has_bi
         assert spy.meta[0]["PREFETCH"] == expect_prefetch
     if expect_stages is not None:
         assert spy.meta[0]["PIPELINE_STAGES"] == expect_stages
+    if expect_reload is not None:
+        assert spy.meta[0]["RELOAD_ROWS"] == expect_reload
     ref = adn._bwd_cpu(*bargs)
     tol = dict(atol=FLOOR[dtype] * 10, rtol=FLOOR[dtype] * 10)
     for name, g, e in zip(("dx", "dresidual", "dweight", "dbias"), got, ref, strict=True):
@@ -402,21 +404,25 @@ _BWD_VARIANT_CASES = [
 @pytest.mark.interpret
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 @pytest.mark.usefixtures("interpreter")  # loop bounds that are runtime scalars (the pipelined loop)
-@pytest.mark.parametrize("rows_per_iter,prefetch,stages", [(1, False, 0), (1, True, 0), (2, False, 0),
-                                                          (4, False, 0), (2, True, 0), (1, False, 3),
-                                                          (1, True, 2), (2, False, 3)])
+@pytest.mark.parametrize("rows_per_iter,prefetch,stages,reload", [
+    (1, False, 0, False), (1, True, 0, False), (2, False, 0, False), (4, False, 0, False),
+    (2, True, 0, False), (1, False, 3, False), (1, True, 2, False), (2, False, 3, False),
+    (1, False, 0, True), (1, True, 0, True), (1, False, 3, True), (2, False, 0, True)])
 @pytest.mark.parametrize("rms", [False, True])
-def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, stages, rms):
+def test_interpret_bwd_loop_forms(rows_per_iter, prefetch, stages, reload, rms):
     """Each backward loop form (one row; one row with the next row's loads issued first; one row in a loop
-    Triton pipelines, which ignores prefetch; a [ROWS_PER_ITER, BLOCK_N] tile, which ignores both) against
-    the reference grads. 37 rows over the interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so
-    the last program's rows end inside a tile or a pipelined loop runs past them, and each program's last
-    prefetch falls past its rows."""
-    config = adn.BwdConfig(8, 32, rows_per_iter, prefetch=prefetch, pipeline_stages=stages)
+    Triton pipelines, which ignores prefetch; a [ROWS_PER_ITER, BLOCK_N] tile, which ignores both; the
+    one-row loops re-reading the row after its reductions, which the tile ignores) against the reference
+    grads. 37 rows over the interpreter's 4 programs: 10 rows each (12 with 4-row tiles), so the last
+    program's rows end inside a tile or a pipelined loop runs past them, and each program's last prefetch
+    falls past its rows."""
+    config = adn.BwdConfig(8, 32, rows_per_iter, prefetch=prefetch, pipeline_stages=stages,
+                           reload_rows=reload)
     for case in _BWD_VARIANT_CASES:
         _check_bwd_variant(config, 37, *case[:1], rms, *case[1:], expect_rows_per_iter=rows_per_iter,
                            expect_prefetch=prefetch and rows_per_iter == 1 and not stages,
-                           expect_stages=stages if rows_per_iter == 1 else 0)
+                           expect_stages=stages if rows_per_iter == 1 else 0,
+                           expect_reload=reload and rows_per_iter == 1)
 
 
 @pytest.mark.interpret
@@ -546,10 +552,13 @@ def test_cuda_inductor_fullgraph(rms):
 
 
 # Backward launch shapes of the sweep (bench_layer_norm.py --sweep-bwd) that take code paths the shipped shape
-# does not: tiles of 2 and 4 rows, 16 elements per thread, and rows fused up to 16384 columns (N=12000).
+# does not: tiles of 2 and 4 rows, 16 elements per thread, rows fused up to 16384 columns (N=12000), and rows
+# re-read after their reductions.
 _CUDA_BWD_CONFIGS = [(8, 16, 2), (16, 16, 2), (8, 16, 4), (16, 32, 1), (16, 32, 1, 16384), (32, 16, 1, 16384),
                      (16, 32, 2, 16384), adn.BwdConfig(8, 16, pipeline_stages=3),
-                     adn.BwdConfig(16, 32, pipeline_stages=2)]
+                     adn.BwdConfig(16, 32, pipeline_stages=2), adn.BwdConfig(8, 16, reload_rows=True),
+                     adn.BwdConfig(32, 16, 1, 16384, reload_rows=True),
+                     adn.BwdConfig(16, 16, pipeline_stages=3, reload_rows=True)]
 
 
 @pytest.mark.cuda
@@ -557,8 +566,9 @@ _CUDA_BWD_CONFIGS = [(8, 16, 2), (16, 16, 2), (8, 16, 4), (16, 32, 1), (16, 32, 
 @pytest.mark.parametrize("rms", [False, True])
 def test_cuda_bwd_variants(config, rms):
     """Each candidate backward shape against the reference grads on the GPU (odd M, masked columns, bf16)."""
-    cases = [(12000, torch.float32)] if len(config) > 3 else [(97, torch.float32), (1000, torch.bfloat16),
-                                                              (4096, torch.bfloat16)]
+    wide = adn.BwdConfig(*config).max_fused > adn._MAX_FUSED_N_BWD  # rows past 8192 columns in registers
+    cases = [(12000, torch.float32)] if wide else [(97, torch.float32), (1000, torch.bfloat16),
+                                                   (4096, torch.bfloat16)]
     for n, dtype in cases:
         rows = 1037 if n <= 4096 else 301
         _check_bwd_variant(config, rows, n, rms, 0.1, True, True, True, True, dtype=dtype, device="cuda")

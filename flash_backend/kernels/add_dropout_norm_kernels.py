@@ -254,6 +254,19 @@ def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, st
 
 
 @triton.jit
+def _reload_bwd_terms(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
+                      IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(xhat, w * dy) of a row read again after its reductions (RELOAD_ROWS): the row was just read, so this
+    hits L1 or L2, not HBM, and the row's fp32 xhat and w * dy need not stay in registers through the block
+    reductions. The eviction hint differs from the first load's, so the compiler cannot merge the two."""
+    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    _, xhat, wdy = _norm_bwd_terms(h, dy, _load_weight(WEIGHT, cols, mask, HAS_WEIGHT), mask, mean, rstd,
+                                   IS_RMS_NORM, HAS_WEIGHT)
+    return xhat, wdy
+
+
+@triton.jit
 def _rounded(mask, product):
     """product, rounded to fp32 before any later use. Without the select, the compiler may contract
     `w * dy - mean(w * dy)` into one FMA that subtracts the *rounded* mean from the *unrounded* product: for
@@ -314,6 +327,9 @@ def _add_dropout_norm_bwd_kernel(
     PREFETCH: tl.constexpr,  # one-row loop only: row r + 1's loads are issued before row r's work
     # > 0 (one-row loop only): a for loop that Triton software-pipelines, this many rows in flight
     PIPELINE_STAGES: tl.constexpr,
+    # one-row loops: read the row's h and dy again after its reductions instead of holding its fp32 terms
+    # in registers through them (_reload_bwd_terms)
+    RELOAD_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_RMS_NORM: tl.constexpr,
@@ -354,6 +370,9 @@ def _add_dropout_norm_bwd_kernel(
             if HAS_BIAS:
                 db += dy32
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, BLOCK_N >= 4096)
+            if RELOAD_ROWS:
+                xhat, wdy = _reload_bwd_terms(H, DY, WEIGHT, r.to(tl.int64), cols, mask & (r < row_end), mean,
+                                              rstd, stride_h_row, stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
             _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
                                wdy, c1, c2, rstd, n_calls, dropout_threshold, dropout_scale, stride_dres_row,
                                stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
@@ -398,6 +417,9 @@ def _add_dropout_norm_bwd_kernel(
             if HAS_BIAS:
                 db += dy32
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, False)
+            if RELOAD_ROWS:
+                xhat, wdy = _reload_bwd_terms(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
+                                              stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
             if HAS_DRESIDUAL_OUT and not PREFETCH:
                 dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
             _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_calls,
