@@ -64,6 +64,7 @@ class BwdConfig(NamedTuple):
     num_stages: int | None = None  # None: Triton's default
     prefetch: bool = False  # one-row loop: issue the next row's loads before this row's reductions
     pipeline_stages: int = 0  # one-row loop: > 0 lets Triton pipeline the row loads through shared memory
+    reload_rows: bool = False  # one-row loops: re-read h and dy after the row's reductions (L1/L2 hits)
 
 
 _BWD_SHIPPED = BwdConfig(8, 32)
@@ -82,7 +83,9 @@ _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
     (4096, True): BwdConfig(8, 16, prefetch=True),
     (8192, False): BwdConfig(16, 8, prefetch=True),
     (8192, True): BwdConfig(16, 8, prefetch=True),  # = (8, 16, prefetch) within 0.1%, and no 64-register cap
-    (16384, False): BwdConfig(32, 16, max_fused=16384),
+    # LayerNorm's 16384-column rows spill (36 at 128 registers): re-reading the row after its reductions
+    # (reload_rows) spills 16 and runs 1.07x faster (bench/logs/sweep_bwd_reload_interleaved_h200.log).
+    (16384, False): BwdConfig(32, 16, max_fused=16384, reload_rows=True),
     (16384, True): BwdConfig(16, 32, max_fused=16384),
     (MAX_N, False): _BWD_SHIPPED,
     (MAX_N, True): _BWD_SHIPPED,
@@ -96,7 +99,9 @@ _PIPELINE_SMEM_BYTES = 160 * 1024  # the most the pipelined loop's stages may ho
 _BWD_PIPELINED: dict[tuple[int, bool], BwdConfig] = {
     (1024, False): BwdConfig(16, 16, pipeline_stages=3),
     (4096, False): BwdConfig(16, 16, pipeline_stages=3),
-    (4096, True): BwdConfig(16, 16, pipeline_stages=3),
+    # RMSNorm at 4096: one 16-warp program per SM, 4 stages (96 KB of rows in flight): 1.05x the 8-warp,
+    # 3-stage shape in two sweeps (bench/logs/sweep_bwd_reload_{sequential,interleaved}_h200.log)
+    (4096, True): BwdConfig(8, 16, pipeline_stages=4),
     (8192, True): BwdConfig(16, 16, pipeline_stages=3),
 }
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -371,6 +376,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         ROWS_PER_ITER=rows_per_iter,
         PREFETCH=bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1 and not cfg.pipeline_stages,
         PIPELINE_STAGES=cfg.pipeline_stages if rows_per_iter == 1 and num_chunks == 1 else 0,
+        RELOAD_ROWS=bool(cfg.reload_rows) and rows_per_iter == 1 and num_chunks == 1,
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
