@@ -93,16 +93,20 @@ _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
 # Where the loop Triton pipelines (row loads as asynchronous copies to shared memory, two rows ahead) beat the
 # entries above, for N a multiple of 16 (otherwise Triton cannot prove 4-byte aligned row loads and does not
 # pipeline them). bench/logs/sweep_bwd_pipelined_h200.log (53bbf3f), GPU time against the entries above:
-# LayerNorm 1.05x at N=768, 1.07x at 1024, 1.03x at 4096; RMSNorm 1.03x at 4096, 1.02x at 8192. Elsewhere
-# the hand-prefetched loop stayed ahead.
+# LayerNorm 1.05x at N=768, 1.07x at 1024, 1.03x at 4096; RMSNorm 1.03x at 4096. Elsewhere the
+# hand-prefetched loop stayed ahead. Later sweeps timed every shape in interleaved rounds (see the entries).
 _PIPELINE_SMEM_BYTES = 160 * 1024  # the most the pipelined loop's stages may hold (bf16 N=8192: 144 KB)
 _BWD_PIPELINED: dict[tuple[int, bool], BwdConfig] = {
     (1024, False): BwdConfig(16, 16, pipeline_stages=3),
+    # LayerNorm at 2048: 1.12x the prefetched loop when all shapes were timed in interleaved rounds
+    # (bench/logs/sweep_bwd_2048_8192_interleaved_h200.log; the earlier sweep timed them one after another)
+    (2048, False): BwdConfig(16, 16, pipeline_stages=3),
     (4096, False): BwdConfig(16, 16, pipeline_stages=3),
     # RMSNorm at 4096: one 16-warp program per SM, 4 stages (96 KB of rows in flight): 1.05x the 8-warp,
     # 3-stage shape in two sweeps (bench/logs/sweep_bwd_reload_{sequential,interleaved}_h200.log)
     (4096, True): BwdConfig(8, 16, pipeline_stages=4),
-    (8192, True): BwdConfig(16, 16, pipeline_stages=3),
+    # (8192, True) pipelined (16, 16, 3 stages) measured 1.03x *slower* than the prefetched loop in the
+    # interleaved sweep, so RMSNorm at 8192 keeps _BWD_CONFIGS' shape.
 }
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
