@@ -65,21 +65,35 @@ def graph_ms(step) -> float | None:
     return bench_ms(graph.replay) if graph is not None else None
 
 
-def interleaved_graph_us(graphs: dict, rounds: int = 7, reps: int = 30) -> dict:
+def interleaved_graph_us(graphs: dict, rounds: int = 7, reps: int = 30, clear_l2: bool = False) -> dict:
     """Median microseconds per replay of each captured graph, timed in rounds that visit every graph in
     turn, so that a clock or power drift during the run lands on every candidate alike (timed one after
-    the other, identical kernels measured up to 20 % apart on the H200)."""
+    the other, identical kernels measured up to 20 % apart on the H200).
+
+    clear_l2: time each replay alone after overwriting a 256 MB buffer, as triton's do_bench does, so that a
+    memory-bound step does not find its inputs in L2 from the replay before (the flush is not timed)."""
     times = {key: [] for key in graphs}
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if clear_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    stops = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for _ in range(rounds):
         for key, graph in graphs.items():
             graph.replay()
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            stop.record()
-            stop.synchronize()
-            times[key].append(start.elapsed_time(stop) * 1e3 / reps)
+            if clear_l2:
+                for start, stop in zip(starts, stops, strict=True):
+                    flush.zero_()
+                    start.record()
+                    graph.replay()
+                    stop.record()
+                stops[-1].synchronize()
+                times[key] += [a.elapsed_time(b) * 1e3 for a, b in zip(starts, stops, strict=True)]
+            else:
+                starts[0].record()
+                for _ in range(reps):
+                    graph.replay()
+                stops[0].record()
+                stops[0].synchronize()
+                times[key].append(starts[0].elapsed_time(stops[0]) * 1e3 / reps)
     return {key: sorted(t)[len(t) // 2] for key, t in times.items()}
 
 

@@ -16,7 +16,9 @@ Triton kernels directly; `eager` and `inductor` run the unfused module.
 
 Each implementation is timed twice: `ms` as called from Python (do_bench; includes launch overhead, which
 is what an eager user sees), and `graph ms` with the step captured in a CUDA graph and replayed (the GPU
-time alone, what CUDA graphs / reduce-overhead users see). Ratios "x Inductor" are Inductor's time / ours.
+time alone, what CUDA graphs / reduce-overhead users see): the implementations of a case replayed in
+interleaved rounds, L2 cleared before each replay as do_bench does. Ratios "x Inductor" are Inductor's
+time / ours.
 
 Usage: python bench/bench_layer_norm.py [--ns 4096,1024] [--impls flash,flash_compiled,eager,inductor]
        python bench/bench_layer_norm.py --sweep-bwd [--ns 4096] [--sweep-seconds 220]
@@ -52,7 +54,6 @@ from bench._common import (  # noqa: E402
     bench_ms,
     capture_graph_or_none,
     env_info,
-    graph_ms,
     interleaved_graph_us,
     markdown_table,
     max_rel_diff,
@@ -329,7 +330,7 @@ def main():
                 params = [t for t in inputs if t is not None]
                 elem_bytes = (9 if train else 4) * DTYPE.itemsize
                 nbytes = elem_bytes * M * n + sum(t.numel() * t.element_size() for t in params[2:])
-                ms_by_impl = {}
+                ms_by_impl, graphs, compile_s = {}, {}, {}
                 for impl in impls:
                     if impl == "flash":
                         fn = flash
@@ -348,17 +349,25 @@ def main():
                     with contextlib.nullcontext() if train else torch.no_grad():
                         t0 = time.time()
                         step()  # compile / warm
-                        compile_s = time.time() - t0
-                        ms = bench_ms(step)
-                        gms = graph_ms(step)
+                        compile_s[impl] = time.time() - t0
+                        ms_by_impl[impl] = bench_ms(step)
+                        graph = capture_graph_or_none(step)
+                    if graph is not None:
+                        graphs[impl] = graph
+                    torch._dynamo.reset()
+                # GPU time of all implementations in interleaved rounds, so that a clock drift during the
+                # case lands on every implementation alike; L2 cleared before each replay, as do_bench does.
+                gpu_us = interleaved_graph_us(graphs, rounds=5, reps=20, clear_l2=True)
+                del graphs
+                case = {"M": M, "N": n, "dtype": "bf16", "dropout_p": P, "norm": norm}
+                for impl, ms in ms_by_impl.items():
+                    gms = gpu_us[impl] / 1e3 if impl in gpu_us else None
                     ms_by_impl[impl] = (ms, gms)
-                    case = {"M": M, "N": n, "dtype": "bf16", "dropout_p": P, "norm": norm}
-                    res.add(impl, mode, case, ms, tbps=nbytes / ms / 1e9, compile_s=round(compile_s, 1),
+                    res.add(impl, mode, case, ms, tbps=nbytes / ms / 1e9, compile_s=round(compile_s[impl], 1),
                             graph_ms=gms and round(gms, 5), graph_tbps=gms and round(nbytes / gms / 1e9, 3))
-                    res.write()
                     print(f"N={n} {norm} {mode} {impl}: {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s; graph "
                           f"{gms or float('nan'):.4f} ms", flush=True)
-                    torch._dynamo.reset()
+                res.write()  # a run cut short by the device's time limit still leaves its rows
                 nan = float("nan")
                 ind, ind_g = ms_by_impl.get("inductor", (None, None))
                 for impl, (ms, gms) in ms_by_impl.items():
