@@ -123,7 +123,8 @@ def layer_norm() -> str:
               "flash TB/s (graph)", "Inductor TB/s (graph)", "x Inductor (graph)", "flash of copy (graph)"]
     note = (f"M=16384, bf16, dropout 0.1 + residual; `flash` = the unfused module under "
             f"`torch.compile(backend=\"flash\")`; copy ceiling measured in the run: {copy} TB/s; "
-            "(graph) = the step replayed from a CUDA graph, GPU time alone")
+            "(graph) = the step replayed from a CUDA graph, GPU time alone (the implementations of a case "
+            "in interleaved rounds, L2 cleared before each replay)")
     return _stamp(data) + "\n\n" + note + "\n\n" + _table(header, rows)
 
 
