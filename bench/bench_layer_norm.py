@@ -126,6 +126,11 @@ def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
         BwdConfig(8, 16, pipeline_stages=2),
         BwdConfig(8, 16, pipeline_stages=4),
         BwdConfig(16, 16, pipeline_stages=3),
+        # more rows in flight: 4-5 stages of 8-warp programs (two per SM where shared memory allows)
+        BwdConfig(16, 16, pipeline_stages=4),
+        BwdConfig(16, 8, pipeline_stages=4),
+        BwdConfig(16, 8, pipeline_stages=5),
+        BwdConfig(8, 16, pipeline_stages=5),
         BwdConfig(8, 32, pipeline_stages=3),
         BwdConfig(16, 8, pipeline_stages=3),
         BwdConfig(4, 32, pipeline_stages=3),
