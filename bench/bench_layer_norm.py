@@ -131,6 +131,9 @@ def bwd_candidates(n: int, is_rms_norm: bool) -> list[BwdConfig]:
         BwdConfig(16, 8, pipeline_stages=4),
         BwdConfig(16, 8, pipeline_stages=5),
         BwdConfig(8, 16, pipeline_stages=5),
+        BwdConfig(32, 8, pipeline_stages=4),  # 4-warp programs
+        BwdConfig(32, 4, pipeline_stages=4),
+        BwdConfig(32, 8, pipeline_stages=3),
         BwdConfig(8, 32, pipeline_stages=3),
         BwdConfig(16, 8, pipeline_stages=3),
         BwdConfig(4, 32, pipeline_stages=3),
