@@ -98,10 +98,15 @@ _BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
 _PIPELINE_SMEM_BYTES = 160 * 1024  # the most the pipelined loop's stages may hold (bf16 N=8192: 144 KB)
 _BWD_PIPELINED: dict[tuple[int, bool], BwdConfig] = {
     (1024, False): BwdConfig(16, 16, pipeline_stages=3),
+    # RMSNorm at 768-1024: one 8-warp program per SM in 4 stages, 1.05x at 768 and 1.02x at 1024 the
+    # prefetched loop (bench/logs/sweep_bwd_stages2_h200.log)
+    (1024, True): BwdConfig(16, 8, pipeline_stages=4),
     # LayerNorm at 2048: 1.12x the prefetched loop when all shapes were timed in interleaved rounds
     # (bench/logs/sweep_bwd_2048_8192_interleaved_h200.log; the earlier sweep timed them one after another)
     (2048, False): BwdConfig(16, 16, pipeline_stages=3),
-    (4096, False): BwdConfig(16, 16, pipeline_stages=3),
+    # LayerNorm at 4096: one 8-warp program per SM in 4 stages, 1.03x / 1.02x two 3-stage programs in two
+    # sweeps (bench/logs/sweep_bwd_stages{,2}_h200.log)
+    (4096, False): BwdConfig(16, 8, pipeline_stages=4),
     # RMSNorm at 4096: one 16-warp program per SM, 4 stages (96 KB of rows in flight): 1.05x the 8-warp,
     # 3-stage shape in two sweeps (bench/logs/sweep_bwd_reload_{sequential,interleaved}_h200.log)
     (4096, True): BwdConfig(8, 16, pipeline_stages=4),
