@@ -364,12 +364,13 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_dgrad_dgelu_bgrad(const at::T
 
 }  // namespace
 
-// A fragment: other csrc files register their own ops in the same `flash` namespace.
+// The picks recorded by run_gemm, oldest first (flash::cublaslt_algo_picks).
 std::vector<std::string> cublaslt_algo_picks() {
   std::lock_guard<std::mutex> lock(algo_mutex);
   return algo_picks;
 }
 
+// A fragment: other csrc files register their own ops in the same `flash` namespace.
 TORCH_LIBRARY_FRAGMENT(flash, m) {
   m.def(
       "cublaslt_linear_gelu_tanh(Tensor x, Tensor weight, Tensor? bias, bool store_pre) -> "
