@@ -27,6 +27,9 @@ problem times the cuBLASLt forward and each Triton configuration and keeps the f
 undecided problem runs cuBLASLt). That is eager calls: under torch.compile the ops' bodies are traced on
 fake tensors and the forward is fixed per GELU (`_linear_gelu_cuda` says which and why).
 
+cuBLASLt's algorithm is measured too: the first call of a GEMM problem times the heuristic's candidates in
+interleaved rounds and keeps the fastest (csrc/dense_gelu.cpp; `cublaslt_algo_picks()` lists the picks).
+
 Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt or Triton as
 measured. Everything else (CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch.
 """
