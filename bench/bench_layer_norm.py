@@ -166,9 +166,7 @@ def _effective_launch(n: int, cfg: BwdConfig) -> tuple:
     num_warps = adn._num_warps(block_n, cfg.elems_per_thread, 32)
     programs = adn._num_programs(torch.device("cuda"), M, num_warps, cfg.warps_per_sm)
     rows_per_iter = cfg.rows_per_iter if num_chunks == 1 else 1
-    stages = cfg.pipeline_stages if rows_per_iter == 1 and num_chunks == 1 else 0
-    prefetch = bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1 and not stages
-    reload = bool(cfg.reload_rows) and rows_per_iter == 1 and num_chunks == 1
+    prefetch, stages, reload = adn.one_row_loop_flags(cfg, rows_per_iter, num_chunks)
     return block_n, num_chunks, num_warps, programs, rows_per_iter, cfg.num_stages, prefetch, stages, reload
 
 

@@ -160,11 +160,13 @@ def test_compiled_graph_loads_our_kernels_from_the_early_compiles(monkeypatch, t
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     inductor_config = torch._inductor.config
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    # Early submission needs Inductor's worker pool. A multiprocessing daemon may not start one (Inductor
-    # itself then compiles in-process, and so do we): nothing to test there.
+    # Early submission needs Inductor's worker pool. Python forbids a multiprocessing daemon to have child
+    # processes, so there (unless workers start by subprocess, torch's _process_pool_allowed) Inductor has
+    # no pool and compiles in-process, and so do we: nothing to test.
     if (multiprocessing.current_process().daemon
             and getattr(inductor_config, "worker_start_method", None) != "subprocess"):
-        pytest.skip("a multiprocessing daemon may not start Inductor's compile workers: no pool to submit to")
+        pytest.skip("Python forbids a multiprocessing daemon child processes, so Inductor runs no compile "
+                    "worker pool here: no pool to submit early compiles to")
     # Ask for a pool even on a small machine, and wait until it is up (as Inductor's own early compiles do).
     threads = inductor_config.compile_threads or inductor_config.decide_compile_threads()
     monkeypatch.setattr(inductor_config, "compile_threads", max(2, threads))

@@ -332,6 +332,15 @@ def bwd_config(n: int, is_rms_norm: bool, row_bytes: int = 6) -> BwdConfig:
     return _BWD_CONFIGS[(bucket, is_rms_norm)]
 
 
+def one_row_loop_flags(cfg: BwdConfig, rows_per_iter: int, num_chunks: int) -> tuple[bool, int, bool]:
+    """(PREFETCH, PIPELINE_STAGES, RELOAD_ROWS) as the backward kernel gets them for cfg: all three shape the
+    one-row loop (one row an iteration, in one chunk) and are off for tiles and chunked rows; a pipelined
+    loop ignores prefetch."""
+    one_row = rows_per_iter == 1 and num_chunks == 1
+    stages = cfg.pipeline_stages if one_row else 0
+    return bool(cfg.prefetch) and one_row and not stages, stages, bool(cfg.reload_rows) and one_row
+
+
 def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm,
                                 has_residual, x_dtype, residual_dtype, *, launch=plain_launch,
                                 config=None):
@@ -374,6 +383,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     dw_partial = torch.empty((programs, n), **f32) if weight is not None else None
     db_partial = torch.empty((programs, n), **f32) if bias is not None else None
     has_dropout = dropout_p > 0.0
+    prefetch, pipeline_stages, reload_rows = one_row_loop_flags(cfg, rows_per_iter, num_chunks)
     kernel = launch(_add_dropout_norm_bwd_kernel)
     kernel[(programs,)](
         h2, dy2, dres_out2 if dres_out2 is not None else dy2, weight if weight is not None else h2,
@@ -383,9 +393,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, _COLUMNS_PER_CALL),
         dropout_threshold(dropout_p), dropout_scale(dropout_p), ROWS_PER_PROGRAM=const_rows_per_program,
         ROWS_PER_ITER=rows_per_iter,
-        PREFETCH=bool(cfg.prefetch) and rows_per_iter == 1 and num_chunks == 1 and not cfg.pipeline_stages,
-        PIPELINE_STAGES=cfg.pipeline_stages if rows_per_iter == 1 and num_chunks == 1 else 0,
-        RELOAD_ROWS=bool(cfg.reload_rows) and rows_per_iter == 1 and num_chunks == 1,
+        PREFETCH=prefetch, PIPELINE_STAGES=pipeline_stages, RELOAD_ROWS=reload_rows,
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm,
         HAS_DRESIDUAL_OUT=dres_out2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DROPOUT=has_dropout, STORE_DRESIDUAL=has_residual, num_warps=num_warps,
