@@ -91,18 +91,19 @@ uint32_t alignment(const void* p) {
 std::mutex algo_mutex;
 std::unordered_map<std::string, cublasLtMatmulAlgo_t> algo_cache;
 
-// The fastest of the heuristic's `found` candidates, timed on the stream: its index, with each candidate's
-// fastest round in `best_ms` (negative where the candidate failed). Each candidate is timed in kRounds
-// interleaved rounds of kRepsPerRound calls and keeps its fastest round, so that the chip's clock still
-// ramping up, or another kernel's tail, spreads over all candidates instead of landing on whichever one was
-// being timed (one pass of 3 calls per candidate, in order, was the earlier scheme).
+// The fastest of `candidates`, timed on the stream: its index, with each candidate's fastest round in
+// `best_ms` (negative where the candidate failed). Each candidate is timed in kRounds interleaved rounds of
+// kRepsPerRound calls and keeps its fastest round, so that the chip's clock still ramping up, or another
+// kernel's tail, spreads over all candidates instead of landing on whichever one was being timed (one pass
+// of 3 calls per candidate, in order, was the earlier scheme).
 template <typename Matmul>
-int fastest_candidate(const cublasLtMatmulHeuristicResult_t* results, int found, Matmul& matmul,
-                      cudaStream_t stream, std::vector<float>& best_ms) {
+int fastest_candidate(const std::vector<cublasLtMatmulAlgo_t>& candidates, Matmul& matmul, cudaStream_t stream,
+                      std::vector<float>& best_ms) {
   constexpr int kRounds = 5, kRepsPerRound = 2;
+  const int found = static_cast<int>(candidates.size());
   best_ms.assign(found, -1.0f);
   std::vector<bool> usable(found, false);
-  for (int i = 0; i < found; ++i) usable[i] = matmul(results[i].algo) == CUBLAS_STATUS_SUCCESS;  // warm-up
+  for (int i = 0; i < found; ++i) usable[i] = matmul(candidates[i]) == CUBLAS_STATUS_SUCCESS;  // warm-up
   std::vector<cudaEvent_t> events(2 * kRounds * found);
   for (auto& e : events) C10_CUDA_CHECK(cudaEventCreate(&e));
   for (int round = 0; round < kRounds; ++round) {
@@ -110,7 +111,7 @@ int fastest_candidate(const cublasLtMatmulHeuristicResult_t* results, int found,
       if (!usable[i]) continue;
       cudaEvent_t* pair = &events[2 * (round * found + i)];
       C10_CUDA_CHECK(cudaEventRecord(pair[0], stream));
-      for (int rep = 0; rep < kRepsPerRound; ++rep) check_lt(matmul(results[i].algo), "Matmul (timing)");
+      for (int rep = 0; rep < kRepsPerRound; ++rep) check_lt(matmul(candidates[i]), "Matmul (timing)");
       C10_CUDA_CHECK(cudaEventRecord(pair[1], stream));
     }
   }
@@ -130,22 +131,89 @@ int fastest_candidate(const cublasLtMatmulHeuristicResult_t* results, int found,
   return best;
 }
 
-// "id 21 tile 18 stages 9 splitk 1": enough to tell two processes' picks apart in a log.
-std::string describe_algo(const cublasLtMatmulAlgo_t& algo) {
-  std::string out;
-  const std::pair<cublasLtMatmulAlgoConfigAttributes_t, const char*> fields[] = {
-      {CUBLASLT_ALGO_CONFIG_ID, "id"},
-      {CUBLASLT_ALGO_CONFIG_TILE_ID, "tile"},
-      {CUBLASLT_ALGO_CONFIG_STAGES_ID, "stages"},
-      {CUBLASLT_ALGO_CONFIG_SPLITK_NUM, "splitk"}};
-  for (const auto& [attr, name] : fields) {
-    uint32_t value = 0;  // every field above is at most 32 bits wide
-    size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) != CUBLAS_STATUS_SUCCESS)
-      continue;
-    out += (out.empty() ? "" : " ") + std::string(name) + " " + std::to_string(value);
+template <typename T>
+T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
+  return value;
+}
+
+// Configurations of cuBLASLt's Hopper GEMM kernel family (algorithm id 66 in cuBLAS 13.0) that its heuristic
+// does not offer, as (tile id, custom option, cluster shape id). A search over every tile, custom option
+// and cluster shape of that family (scratch/s19/lt_search.cpp; bench/logs/cublaslt_config_search*_h200.log)
+// found them 2-12 % faster than the heuristic's best candidate at bench_dense's problems on the H200:
+// GELU_AUX_BIAS forwards (tiles 28, 208), bias-only forwards (407, 408, 29), weight gradients (151, 458).
+// They are candidates only: each is derived from the heuristic's own id-66 pick, must pass
+// cublasLtMatmulAlgoCheck for the problem, and is timed with the heuristic's candidates. Where a cuBLAS
+// version means something else by these ids, the cost is a few failed checks or timing calls.
+struct ExtraConfig {
+  uint32_t tile;
+  uint32_t custom;
+  uint16_t cluster;
+};
+constexpr int32_t kExtraConfigsAlgoId = 66;
+constexpr ExtraConfig kExtraConfigs[] = {
+    {28, 0, 3}, {28, 2, 3},  {208, 0, 5}, {408, 1, 3}, {407, 3, 3}, {29, 1, 3},
+    {151, 2, 5}, {151, 2, 2}, {458, 3, 5}, {458, 1, 2}, {31, 6, 5}, {179, 2, 5},
+};
+
+// kExtraConfigs applied to the first of the heuristic's candidates of kExtraConfigsAlgoId, those the problem
+// accepts, without repeating a candidate the heuristic already offered.
+std::vector<cublasLtMatmulAlgo_t> extra_candidates(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                                   cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                                   cublasLtMatrixLayout_t d,
+                                                   const std::vector<cublasLtMatmulAlgo_t>& offered) {
+  auto same_config = [](const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+    auto u32 = [](const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+      return algo_config<uint32_t>(algo, attr);
+    };
+    return u32(x, CUBLASLT_ALGO_CONFIG_TILE_ID) == u32(y, CUBLASLT_ALGO_CONFIG_TILE_ID) &&
+           u32(x, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) == u32(y, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION) &&
+           u32(x, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == u32(y, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) &&
+           algo_config<uint16_t>(x, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) ==
+               algo_config<uint16_t>(y, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  };
+  std::vector<cublasLtMatmulAlgo_t> extras;
+  const cublasLtMatmulAlgo_t* base = nullptr;
+  for (const auto& algo : offered) {
+    if (algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID) == kExtraConfigsAlgoId) {
+      base = &algo;
+      break;
+    }
   }
-  return out;
+  if (base == nullptr) return extras;
+  for (const ExtraConfig& extra : kExtraConfigs) {
+    cublasLtMatmulAlgo_t algo = *base;
+    const uint32_t splitk = 1;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &extra.tile, sizeof(extra.tile)) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &extra.custom,
+                                             sizeof(extra.custom)) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &extra.cluster,
+                                             sizeof(extra.cluster)) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk)) !=
+            CUBLAS_STATUS_SUCCESS)
+      continue;
+    cublasLtMatmulHeuristicResult_t checked{};
+    if (cublasLtMatmulAlgoCheck(handle, desc, a, b, d, d, &algo, &checked) != CUBLAS_STATUS_SUCCESS ||
+        checked.state != CUBLAS_STATUS_SUCCESS || checked.workspaceSize > kWorkspaceBytes)
+      continue;
+    bool repeat = false;
+    for (const auto& other : offered) repeat = repeat || same_config(algo, other);
+    if (!repeat) extras.push_back(algo);
+  }
+  return extras;
+}
+
+// "id 66 tile 28 stages 35 splitk 1 custom 0 cluster 3": enough to tell two processes' picks apart in a log.
+std::string describe_algo(const cublasLtMatmulAlgo_t& algo) {
+  return "id " + std::to_string(algo_config<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
+         std::to_string(algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
+         std::to_string(algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
+         std::to_string(algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " custom " +
+         std::to_string(algo_config<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)) + " cluster " +
+         std::to_string(algo_config<uint16_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
 // What run_gemm picked for each problem it timed, for flash_backend's debug log (cublaslt_algo_picks).
@@ -213,19 +281,28 @@ void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
     TORCH_CHECK(found > 0, "flash dense (cuBLASLt): no algorithm for ", key);
     algo = results[0].algo;
     // The heuristic's first pick is not always the fastest with an epilogue (the bias-gradient ones on
-    // long-K, small-output GEMMs especially): time the candidates once per problem and keep the best.
-    // Not while a CUDA graph is being captured: there the first pick is used (and not cached).
+    // long-K, small-output GEMMs especially), and configurations it does not offer can be faster still
+    // (kExtraConfigs): time them all once per problem and keep the best. Not while a CUDA graph is being
+    // captured: there the first pick is used (and not cached).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone && found > 1) {
-      std::vector<float> best_ms;
-      const int best = fastest_candidate(results, found, matmul, stream, best_ms);
-      algo = results[best].algo;
-      std::string pick = key + ": candidate " + std::to_string(best) + " of " + std::to_string(found) + " (" +
-                         describe_algo(algo) + "), us";
-      for (float ms : best_ms) pick += " " + (ms < 0.0f ? std::string("fail") : std::to_string(ms * 1e3f));
-      std::lock_guard<std::mutex> lock(algo_mutex);
-      algo_picks.push_back(pick);
+    if (capture == cudaStreamCaptureStatusNone) {
+      std::vector<cublasLtMatmulAlgo_t> candidates;
+      for (int i = 0; i < found; ++i) candidates.push_back(results[i].algo);
+      for (const auto& extra : extra_candidates(handle, desc.desc, a_layout.layout, b_layout.layout,
+                                                d_layout.layout, candidates))
+        candidates.push_back(extra);
+      if (candidates.size() > 1) {
+        std::vector<float> best_ms;
+        const int best = fastest_candidate(candidates, matmul, stream, best_ms);
+        algo = candidates[best];
+        std::string pick = key + ": candidate " + std::to_string(best) + " of " +
+                           std::to_string(candidates.size()) + " (" + describe_algo(algo) + "), heuristic " +
+                           std::to_string(found) + ", us";
+        for (float ms : best_ms) pick += " " + (ms < 0.0f ? std::string("fail") : std::to_string(ms * 1e3f));
+        std::lock_guard<std::mutex> lock(algo_mutex);
+        algo_picks.push_back(pick);
+      }
     }
     if (capture == cudaStreamCaptureStatusNone) {
       std::lock_guard<std::mutex> lock(algo_mutex);
@@ -298,17 +375,20 @@ at::Tensor cublaslt_linear(const at::Tensor& x, const at::Tensor& weight, const 
   return std::get<0>(linear_epilogue(x, weight, bias, /*gelu_tanh=*/false, /*store_pre=*/false));
 }
 
-// grad_weight = grad.T @ x and grad_bias = grad.sum(0), the sum done by the GEMM's BGRADB epilogue.
-std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor& grad, const at::Tensor& x) {
+// grad_weight = grad.T @ x, and, where `grad_bias` is defined, grad_bias = grad.sum(0) by the GEMM's BGRADB
+// epilogue.
+at::Tensor linear_wgrad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& grad_bias) {
   check_2d(grad, "grad");
   check_2d(x, "x");
   TORCH_CHECK(grad.size(0) == x.size(0) && grad.scalar_type() == x.scalar_type(),
               "flash dense (cuBLASLt): grad and x disagree on M or dtype");
   const int64_t M = x.size(0), K = x.size(1), N = grad.size(1);
   c10::cuda::CUDAGuard guard(x.device());
-  if (M == 0) return {at::zeros({N, K}, x.options()), at::zeros({N}, x.options())};
+  if (M == 0) {
+    if (grad_bias.defined()) grad_bias.zero_();
+    return at::zeros({N, K}, x.options());
+  }
   at::Tensor grad_weight = at::empty({N, K}, x.options());
-  at::Tensor grad_bias = at::empty({N}, x.options());
   LtGemm g;
   // dW^T (K, N) = x^T (K, M) @ grad (M, N); the bias gradient reduces op(B) over the GEMM's k (= M).
   g.trans_b = true;
@@ -321,10 +401,24 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor&
   g.ldb = N;
   g.d = grad_weight.data_ptr();
   g.ldd = K;
-  g.epilogue = CUBLASLT_EPILOGUE_BGRADB;
-  g.bias = grad_bias.data_ptr();
+  if (grad_bias.defined()) {
+    g.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+    g.bias = grad_bias.data_ptr();
+  }
   run_gemm(g, x.scalar_type(), x.device());
+  return grad_weight;
+}
+
+std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor& grad, const at::Tensor& x) {
+  at::Tensor grad_bias = at::empty({grad.size(1)}, grad.options());
+  at::Tensor grad_weight = linear_wgrad(grad, x, grad_bias);
   return {grad_weight, grad_bias};
+}
+
+// grad_weight = grad.T @ x alone: aten's mm runs the same GEMM, but through cuBLAS's own choice, which measured
+// 2-6 % slower than the fastest of run_gemm's candidates at bench_dense's weight gradients (H200).
+at::Tensor cublaslt_linear_wgrad(const at::Tensor& grad, const at::Tensor& x) {
+  return linear_wgrad(grad, x, at::Tensor());
 }
 
 // For a Linear -> tanh-GELU -> Linear chain: the second Linear's input gradient (grad @ weight) times
@@ -377,6 +471,7 @@ TORCH_LIBRARY_FRAGMENT(flash, m) {
       "(Tensor out, Tensor pre)");
   m.def("cublaslt_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cublaslt_linear_wgrad_bgrad(Tensor grad, Tensor x) -> (Tensor grad_weight, Tensor grad_bias)");
+  m.def("cublaslt_linear_wgrad(Tensor grad, Tensor x) -> Tensor grad_weight");
   m.def(
       "cublaslt_linear_dgrad_dgelu_bgrad(Tensor grad, Tensor weight, Tensor pre) -> "
       "(Tensor grad_pre, Tensor grad_bias)");
@@ -388,5 +483,6 @@ TORCH_LIBRARY_IMPL(flash, CUDA, m) {
   m.impl("cublaslt_linear_gelu_tanh", &cublaslt_linear_gelu_tanh);
   m.impl("cublaslt_linear", &cublaslt_linear);
   m.impl("cublaslt_linear_wgrad_bgrad", &cublaslt_linear_wgrad_bgrad);
+  m.impl("cublaslt_linear_wgrad", &cublaslt_linear_wgrad);
   m.impl("cublaslt_linear_dgrad_dgelu_bgrad", &cublaslt_linear_dgrad_dgelu_bgrad);
 }

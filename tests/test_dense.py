@@ -221,6 +221,10 @@ def test_cpu_has_no_algo_picks(monkeypatch):
     assert dense.cublaslt_algo_picks() == []
 
 
+PICK_LINE = (r": candidate (\d+) of (\d+) \(id \d+ tile \d+ stages \d+ splitk \d+ custom \d+ cluster \d+\), "
+             r"heuristic (\d+), us( (\d+\.\d+|fail))+$")
+
+
 @pytest.mark.cuda
 def test_algo_picks_report_each_timed_problem():
     """A GEMM problem not seen before is timed over its candidates once: one line naming the problem, the
@@ -231,14 +235,47 @@ def test_algo_picks_report_each_timed_problem():
     picks = dense.cublaslt_algo_picks()
     mine = [p for p in picks if f"x{k}/" in p and f"{n}x" in p]
     assert len(mine) == 1, picks
-    line = r": candidate (\d+) of (\d+) \(id \d+ tile \d+ stages \d+ splitk \d+\), us( (\d+\.\d+|fail))+$"
-    assert re.search(line, mine[0]), mine[0]
+    assert re.search(PICK_LINE, mine[0]), mine[0]
     kept, found = map(int, re.search(r"candidate (\d+) of (\d+)", mine[0]).groups())
     times = mine[0].rsplit(", us ", 1)[1].split()
     assert len(times) == found and times[kept] != "fail"
     assert float(times[kept]) == min(float(t) for t in times if t != "fail")
     linear_bias(x, w, b)
     assert len(dense.cublaslt_algo_picks()) == len(picks)
+
+
+@pytest.mark.cuda
+def test_extra_candidates_are_timed_with_the_heuristics():
+    """csrc's kExtraConfigs join the heuristic's candidates: on the cuBLAS and chip they were found on (13.x,
+    sm_90), a GELU_AUX_BIAS problem times more candidates than the heuristic offered, and the kept one is
+    the fastest of all."""
+    k, n = 384, 1152  # a problem no other test uses
+    x, w, b = _inputs((777, k), n, torch.bfloat16, "cuda")
+    torch.ops.flash.cublaslt_linear_gelu_tanh(x, w, b, True)
+    mine = [p for p in dense.cublaslt_algo_picks() if f"x{k}/" in p and f"{n}x" in p]
+    assert len(mine) == 1, mine
+    kept, found, heuristic = map(int, re.search(PICK_LINE, mine[0]).groups()[:3])
+    assert 1 <= heuristic <= found
+    times = mine[0].rsplit(", us ", 1)[1].split()
+    assert float(times[kept]) == min(float(t) for t in times if t != "fail")
+    if torch.cuda.get_device_capability() == (9, 0) and int(torch.version.cuda.split(".")[0]) >= 13:
+        assert found > heuristic, mine[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1001, 0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_weight_gradient_matches_reference(m, dtype):
+    """grad.T @ x, with and without the BGRADB bias gradient, against fp32 on random inputs (odd M)."""
+    dense._extension()
+    grad = torch.randn(m, 1064, dtype=dtype, device="cuda")
+    x = torch.randn(m, 264, dtype=dtype, device="cuda")
+    ref = grad.float().t() @ x.float()
+    tol = dict(atol=2e-2 * max(1, m) ** 0.5, rtol=2e-2)
+    torch.testing.assert_close(torch.ops.flash.cublaslt_linear_wgrad(grad, x).float(), ref, **tol)
+    grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad, x)
+    torch.testing.assert_close(grad_weight.float(), ref, **tol)
+    torch.testing.assert_close(grad_bias.float(), grad.float().sum(0), **tol)
 
 
 @pytest.mark.cuda
@@ -328,6 +365,7 @@ def test_opcheck_cuda(dtype):
     opcheck(torch.ops.flash.cublaslt_linear_gelu_tanh, (x, w, None, False))
     opcheck(torch.ops.flash.cublaslt_linear, (x, w, None))
     opcheck(torch.ops.flash.cublaslt_linear_wgrad_bgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
+    opcheck(torch.ops.flash.cublaslt_linear_wgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
 
 
 # --------------------------------------------------------------- the Triton forward (per-problem choice)
