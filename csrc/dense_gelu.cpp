@@ -141,7 +141,7 @@ T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
 
 // Configurations of cuBLASLt's Hopper GEMM kernel family (algorithm id 66 in cuBLAS 13.0) that its heuristic
 // does not offer, as (tile id, custom option, cluster shape id). A search over every tile, custom option
-// and cluster shape of that family (scratch/s19/lt_search.cpp; bench/logs/cublaslt_config_search*_h200.log)
+// and cluster shape of that family (bench/cublaslt_config_search.cpp; bench/logs/cublaslt_config_search*_h200.log)
 // found them 2-12 % faster than the heuristic's best candidate at bench_dense's problems on the H200:
 // GELU_AUX_BIAS forwards (tiles 28, 208), bias-only forwards (407, 408, 29), weight gradients (151, 458).
 // They are candidates only: each is derived from the heuristic's own id-66 pick, must pass
