@@ -456,13 +456,13 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_dgrad_dgelu_bgrad(const at::T
   return {grad_pre, grad_bias};
 }
 
-}  // namespace
-
 // The picks recorded by run_gemm, oldest first (flash::cublaslt_algo_picks).
 std::vector<std::string> cublaslt_algo_picks() {
   std::lock_guard<std::mutex> lock(algo_mutex);
   return algo_picks;
 }
+
+}  // namespace
 
 // A fragment: other csrc files register their own ops in the same `flash` namespace.
 TORCH_LIBRARY_FRAGMENT(flash, m) {

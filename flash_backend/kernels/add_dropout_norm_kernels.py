@@ -245,25 +245,17 @@ def _norm_bwd_terms(h, dy, w, mask, mean, rstd, IS_RMS_NORM: tl.constexpr, HAS_W
 
 @triton.jit
 def _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
-                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row."""
-    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0)
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0)
+                    IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, EVICTION: tl.constexpr):
+    """(dy, xhat, w * dy) of one chunk of one row, in fp32, zero outside the row.
+
+    EVICTION is the loads' eviction hint: "" for a row's first read; "evict_first" where the one-row loops
+    read a row again after its reductions (RELOAD_ROWS). That second read hits L1 or L2, not HBM, so the
+    row's fp32 xhat and w * dy need not stay in registers through the block reductions; and since its hint
+    differs from the first load's, the compiler cannot merge the two loads back into one."""
+    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
     return _norm_bwd_terms(h, dy, _load_weight(WEIGHT, cols, mask, HAS_WEIGHT), mask, mean, rstd, IS_RMS_NORM,
                            HAS_WEIGHT)
-
-
-@triton.jit
-def _reload_bwd_terms(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row, stride_dy_row,
-                      IS_RMS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(xhat, w * dy) of a row read again after its reductions (RELOAD_ROWS): the row was just read, so this
-    hits L1 or L2, not HBM, and the row's fp32 xhat and w * dy need not stay in registers through the block
-    reductions. The eviction hint differs from the first load's, so the compiler cannot merge the two."""
-    h = tl.load(H + row * stride_h_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    dy = tl.load(DY + row * stride_dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    _, xhat, wdy = _norm_bwd_terms(h, dy, _load_weight(WEIGHT, cols, mask, HAS_WEIGHT), mask, mean, rstd,
-                                   IS_RMS_NORM, HAS_WEIGHT)
-    return xhat, wdy
 
 
 @triton.jit
@@ -328,7 +320,7 @@ def _add_dropout_norm_bwd_kernel(
     # > 0 (one-row loop only): a for loop that Triton software-pipelines, this many rows in flight
     PIPELINE_STAGES: tl.constexpr,
     # one-row loops: read the row's h and dy again after its reductions instead of holding its fp32 terms
-    # in registers through them (_reload_bwd_terms)
+    # in registers through them (_norm_bwd_chunk's EVICTION)
     RELOAD_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
@@ -371,8 +363,9 @@ def _add_dropout_norm_bwd_kernel(
                 db += dy32
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, BLOCK_N >= 4096)
             if RELOAD_ROWS:
-                xhat, wdy = _reload_bwd_terms(H, DY, WEIGHT, r.to(tl.int64), cols, mask & (r < row_end), mean,
-                                              rstd, stride_h_row, stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                _, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, r.to(tl.int64), cols, mask & (r < row_end),
+                                               mean, rstd, stride_h_row, stride_dy_row, IS_RMS_NORM,
+                                               HAS_WEIGHT, "evict_first")
             _store_input_grads(DRESIDUAL, DX, seed, r.to(tl.int64), 0, mask & (r < row_end), dres_out, xhat,
                                wdy, c1, c2, rstd, n_calls, dropout_threshold, dropout_scale, stride_dres_row,
                                stride_dx_row, BLOCK_N, IS_RMS_NORM, HAS_DRESIDUAL_OUT, HAS_DROPOUT,
@@ -418,8 +411,8 @@ def _add_dropout_norm_bwd_kernel(
                 db += dy32
             c1, c2 = _row_means(xhat, wdy, N, IS_RMS_NORM, False)
             if RELOAD_ROWS:
-                xhat, wdy = _reload_bwd_terms(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                              stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                _, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
+                                               stride_dy_row, IS_RMS_NORM, HAS_WEIGHT, "evict_first")
             if HAS_DRESIDUAL_OUT and not PREFETCH:
                 dres_out = tl.load(DRESIDUAL_OUT + row * stride_dres_out_row + cols, mask=mask, other=0.0)
             _store_input_grads(DRESIDUAL, DX, seed, row, 0, mask, dres_out, xhat, wdy, c1, c2, rstd, n_calls,
@@ -508,7 +501,7 @@ def _add_dropout_norm_bwd_kernel(
                 cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = (cols < N) & (r < M)
                 dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT, "")
                 s1 += tl.sum(xhat * wdy, axis=0)
                 s2 += tl.sum(wdy, axis=0)
             c1s = tl.where(row_ids == i, _mean_of(s1, N), c1s)
@@ -526,7 +519,7 @@ def _add_dropout_norm_bwd_kernel(
                 rstd = tl.load(RSTD + row)
                 mask = (cols < N) & (r < M)
                 dy, xhat, wdy = _norm_bwd_chunk(H, DY, WEIGHT, row, cols, mask, mean, rstd, stride_h_row,
-                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT)
+                                                stride_dy_row, IS_RMS_NORM, HAS_WEIGHT, "")
                 if HAS_WEIGHT:
                     dw += dy * xhat
                 if HAS_BIAS:
