@@ -377,7 +377,7 @@ def main():
         print(f"  {key[2:]}: {name}")
     from flash_backend.ops.dense import cublaslt_algo_picks
 
-    print("cuBLASLt algorithm picked per GEMM problem (candidate kept of those timed, fastest us each):")
+    print("cuBLASLt algorithm picked per GEMM problem (candidate kept of those timed, median round us each):")
     for pick in cublaslt_algo_picks():
         print(f"  {pick}")
     print(markdown_table(

@@ -16,6 +16,7 @@
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -91,11 +92,15 @@ uint32_t alignment(const void* p) {
 std::mutex algo_mutex;
 std::unordered_map<std::string, cublasLtMatmulAlgo_t> algo_cache;
 
-// The fastest of `candidates`, timed on the stream: its index, with each candidate's fastest round in
+// The fastest of `candidates`, timed on the stream: its index, with each candidate's median round in
 // `best_ms` (negative where the candidate failed). Each candidate is timed in kRounds interleaved rounds of
-// kRepsPerRound calls and keeps its fastest round, so that the chip's clock still ramping up, or another
-// kernel's tail, spreads over all candidates instead of landing on whichever one was being timed (one pass
-// of 3 calls per candidate, in order, was the earlier scheme).
+// kRepsPerRound calls, the order reversed every other round, and scored by its median round. Why not the
+// fastest round (the scheme until 6f4c0d7): at GEMMs of milliseconds the chip runs at its boost clock for
+// the first tens of milliseconds and then at its power limit, so the fastest round of each candidate was
+// the first one, and the candidates timed first won (at 16384 x 16384 x 4096 the kept candidate's first
+// round measured 2.87 ms and the same kernel 3.43 ms in a steady graph replay). The median is what the
+// candidate does at the clock it will run at; the reversed order keeps any drift within a round from
+// favouring the same candidates every time.
 template <typename Matmul>
 int fastest_candidate(const std::vector<cublasLtMatmulAlgo_t>& candidates, Matmul& matmul, cudaStream_t stream,
                       std::vector<float>& best_ms) {
@@ -107,7 +112,8 @@ int fastest_candidate(const std::vector<cublasLtMatmulAlgo_t>& candidates, Matmu
   std::vector<cudaEvent_t> events(2 * kRounds * found);
   for (auto& e : events) C10_CUDA_CHECK(cudaEventCreate(&e));
   for (int round = 0; round < kRounds; ++round) {
-    for (int i = 0; i < found; ++i) {
+    for (int j = 0; j < found; ++j) {
+      const int i = round % 2 == 0 ? j : found - 1 - j;
       if (!usable[i]) continue;
       cudaEvent_t* pair = &events[2 * (round * found + i)];
       C10_CUDA_CHECK(cudaEventRecord(pair[0], stream));
@@ -118,14 +124,17 @@ int fastest_candidate(const std::vector<cublasLtMatmulAlgo_t>& candidates, Matmu
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   int best = 0;
   for (int i = 0; i < found; ++i) {
-    for (int round = 0; usable[i] && round < kRounds; ++round) {
+    if (!usable[i]) continue;
+    std::vector<float> rounds_ms;
+    for (int round = 0; round < kRounds; ++round) {
       cudaEvent_t* pair = &events[2 * (round * found + i)];
       float ms = 0.0f;
       C10_CUDA_CHECK(cudaEventElapsedTime(&ms, pair[0], pair[1]));
-      ms /= kRepsPerRound;
-      if (best_ms[i] < 0.0f || ms < best_ms[i]) best_ms[i] = ms;
+      rounds_ms.push_back(ms / kRepsPerRound);
     }
-    if (best_ms[i] >= 0.0f && (best_ms[best] < 0.0f || best_ms[i] < best_ms[best])) best = i;
+    std::nth_element(rounds_ms.begin(), rounds_ms.begin() + kRounds / 2, rounds_ms.end());
+    best_ms[i] = rounds_ms[kRounds / 2];
+    if (best_ms[best] < 0.0f || best_ms[i] < best_ms[best]) best = i;
   }
   for (auto& e : events) C10_CUDA_CHECK(cudaEventDestroy(e));
   return best;

@@ -177,7 +177,7 @@ def cublaslt_ready(x: Tensor) -> bool:
 def cublaslt_algo_picks() -> list[str]:
     """One line per GEMM problem csrc timed its cuBLASLt candidates for in this process: the problem's key
     (device/dtype/transposes/MxNxK/leading dims/epilogue/alignments), the candidate it kept, and each
-    candidate's fastest time. Empty where csrc was never built or used."""
+    candidate's time (the median of its interleaved rounds). Empty where csrc was never built or used."""
     if "dense_gelu" not in _cpp_build._loaded:
         return []
     return list(torch.ops.flash.cublaslt_algo_picks())
