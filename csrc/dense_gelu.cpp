@@ -228,6 +228,11 @@ std::string describe_algo(const cublasLtMatmulAlgo_t& algo) {
 // What run_gemm picked for each problem it timed, for flash_backend's debug log (cublaslt_algo_picks).
 std::vector<std::string> algo_picks;
 
+// For tests only (flash::cublaslt_force_candidate): >= 0 makes run_gemm use that candidate of a problem's
+// list (the heuristic's, then kExtraConfigs) instead of timing them, so every configuration it might keep
+// can be checked against a reference. -1: measure, as always.
+int64_t forced_candidate = -1;
+
 void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
   const cudaDataType_t type = dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -301,7 +306,16 @@ void run_gemm(const LtGemm& g, at::ScalarType dtype, const at::Device& device) {
       for (const auto& extra : extra_candidates(handle, desc.desc, a_layout.layout, b_layout.layout,
                                                 d_layout.layout, candidates))
         candidates.push_back(extra);
-      if (candidates.size() > 1) {
+      int64_t forced = -1;
+      {
+        std::lock_guard<std::mutex> lock(algo_mutex);
+        forced = forced_candidate;
+      }
+      if (forced >= 0) {
+        TORCH_CHECK(forced < static_cast<int64_t>(candidates.size()), "flash dense (cuBLASLt): forced candidate ",
+                    forced, " but problem ", key, " has ", candidates.size());
+        algo = candidates[forced];
+      } else if (candidates.size() > 1) {
         std::vector<float> best_ms;
         const int best = fastest_candidate(candidates, matmul, stream, best_ms);
         algo = candidates[best];
@@ -471,6 +485,14 @@ std::vector<std::string> cublaslt_algo_picks() {
   return algo_picks;
 }
 
+// Sets forced_candidate (see there) and forgets every cached choice, so that the next call of each problem
+// chooses again: under the forced index, or by timing once it is -1 again.
+void cublaslt_force_candidate(int64_t index) {
+  std::lock_guard<std::mutex> lock(algo_mutex);
+  forced_candidate = index;
+  algo_cache.clear();
+}
+
 }  // namespace
 
 // A fragment: other csrc files register their own ops in the same `flash` namespace.
@@ -486,6 +508,7 @@ TORCH_LIBRARY_FRAGMENT(flash, m) {
       "(Tensor grad_pre, Tensor grad_bias)");
   // No tensor arguments: a catch-all kernel, for every device.
   m.def("cublaslt_algo_picks() -> str[]", &cublaslt_algo_picks);
+  m.def("cublaslt_force_candidate(int index) -> ()", &cublaslt_force_candidate);
 }
 
 TORCH_LIBRARY_IMPL(flash, CUDA, m) {

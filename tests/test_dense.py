@@ -263,6 +263,48 @@ def test_extra_candidates_are_timed_with_the_heuristics():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_cublaslt_candidate_is_correct(dtype):
+    """Each configuration run_gemm may keep for a problem (the heuristic's and kExtraConfigs), forced in turn,
+    against fp32 on random inputs with an odd M: one outside the heuristic's list must be as right as the
+    ones it offers. A candidate that cuBLASLt refuses at run time ("fail" in the pick line) is never kept."""
+    m, k, n = 1031, 392, 1176  # problems no other test uses
+    x, w, b = _inputs((m, k), n, dtype, "cuda")
+    grad = torch.randn(m, n, dtype=dtype, device="cuda")
+    pre = F.linear(x.float(), w.float(), b.float())
+    ops = torch.ops.flash
+    wgrad = grad.float().t() @ x.float()
+    problems = {  # name: (call, [fp32 reference of each output], atol)
+        "gelu_aux_bias": (lambda: ops.cublaslt_linear_gelu_tanh(x, w, b, True),
+                          [F.gelu(pre, approximate="tanh"), pre], 3e-2),
+        "bias": (lambda: [ops.cublaslt_linear(x, w, b)], [pre], 3e-2),
+        "wgrad": (lambda: [ops.cublaslt_linear_wgrad(grad, x)], [wgrad], 2e-2 * m**0.5),
+        "wgrad_bgrad": (lambda: ops.cublaslt_linear_wgrad_bgrad(grad, x), [wgrad, grad.float().sum(0)],
+                        2e-2 * m**0.5),
+    }
+    try:
+        for name, (call, refs, atol) in problems.items():
+            before = len(dense.cublaslt_algo_picks())
+            call()  # measured: its pick line lists every candidate and which ones cuBLASLt refused
+            picks = dense.cublaslt_algo_picks()[before:]
+            assert len(picks) == 1, (name, picks)
+            times = picks[0].rsplit(", us ", 1)[1].split()
+            checked = 0
+            for index, time in enumerate(times):
+                if time == "fail":
+                    continue
+                ops.cublaslt_force_candidate(index)
+                where = f"{name}, candidate {index}: "
+                for got, ref in zip(call(), refs, strict=True):
+                    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=2e-2,
+                                               msg=lambda text, where=where: where + text)
+                checked += 1
+            assert checked >= 1, picks[0]
+    finally:
+        ops.cublaslt_force_candidate(-1)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("m", [1001, 0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_weight_gradient_matches_reference(m, dtype):
