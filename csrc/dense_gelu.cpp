@@ -150,8 +150,9 @@ T algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
 
 // Configurations of cuBLASLt's Hopper GEMM kernel family (algorithm id 66 in cuBLAS 13.0) that its heuristic
 // does not offer, as (tile id, custom option, cluster shape id). A search over every tile, custom option
-// and cluster shape of that family (bench/cublaslt_config_search.cpp; bench/logs/cublaslt_config_search*_h200.log)
-// found them 2-12 % faster than the heuristic's best candidate at bench_dense's problems on the H200:
+// and cluster shape of that family (bench/cublaslt_config_search.{py,cpp},
+// bench/logs/cublaslt_config_search*_h200.log) found them 2-12 % faster than the heuristic's best candidate
+// at bench_dense's problems on the H200:
 // GELU_AUX_BIAS forwards (tiles 28, 208), bias-only forwards (407, 408, 29), weight gradients (151, 458).
 // They are candidates only: each is derived from the heuristic's own id-66 pick, must pass
 // cublasLtMatmulAlgoCheck for the problem, and is timed with the heuristic's candidates. Where a cuBLAS
@@ -439,7 +440,8 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_wgrad_bgrad(const at::Tensor&
 }
 
 // grad_weight = grad.T @ x alone: aten's mm runs the same GEMM, but through cuBLAS's own choice, which measured
-// 2-6 % slower than the fastest of run_gemm's candidates at bench_dense's weight gradients (H200).
+// 2-10 % slower than the fastest of run_gemm's candidates at bench_dense's weight gradients (H200;
+// bench/logs/dense_gemm_replay_probe_*_h200.log).
 at::Tensor cublaslt_linear_wgrad(const at::Tensor& grad, const at::Tensor& x) {
   return linear_wgrad(grad, x, at::Tensor());
 }
