@@ -37,11 +37,17 @@ The GELU after it:
   rounding (a constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function).
   Which one it is decides ``approximate``: an erf GELU never becomes a tanh one.
 
+Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
+F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
+operands with ``.to`` in the graph and reports the variant as "(autocast to bfloat16)". Autograd then takes
+each cast's gradient back to the fp32 parameter, as eager's autocast does.
+
 Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
 with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
-that is written in place before it ends, a Linear that computes in another dtype than its input (autocast:
-the op, given the uncast inputs, would run another GEMM), and a candidate whose fused result would differ in
-dtype or shape from eager's (checked by running the op on the fake inputs). Left alone without a report,
+that is written in place before it ends, under autocast a bias of the operands' dtype added after the Linear
+(``x @ w.t() + b``, ``lin(x) + b2``: eager's add promotes the output, so the GELU runs in fp32), and a
+candidate whose fused result would differ in dtype or shape from eager's (checked by running the op on the
+fake inputs). Left alone without a report,
 because they are not a Linear + bias + GELU the pass can prove: ``h - b``, ``torch.add(h, b, alpha=a)``,
 an addend of another shape ((1, N), (M, N)), a bias add on a Linear output that is also read elsewhere, a
 GELU written with two transcendental calls, sigmoid forms.
@@ -401,10 +407,22 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
-    lt, xt = tensor_meta(linear), tensor_meta(x)
-    if lt is not None and xt is not None and lt.dtype != xt.dtype:  # the op would run the GEMM in xt.dtype
-        raise _Miss(f"{variant}: the Linear computes in {lt.dtype} from {xt.dtype} inputs (autocast); "
-                    "not fused")
+    # Autocast: the Linear (F.linear, addmm, a matmul) computes in another dtype than its operands, which it
+    # casts, its own bias included (eager refuses mixed dtypes otherwise). A bias added after it
+    # (x @ w.t() + b, lin(x) + b2) is not cast: an fp32 one promotes the Linear's output to fp32, and the GELU
+    # runs in fp32.
+    compute = tensor_meta(linear).dtype if tensor_meta(linear) is not None else None
+    own_bias = bias if bias is not None and bias in linear.all_input_nodes else None
+    operands = [n for n in (x, weight, mat2, own_bias) if n is not None]
+    autocast = [n for n in operands if compute is not None and tensor_meta(n) is not None
+                and tensor_meta(n).dtype != compute]
+    if autocast:
+        variant = f"{variant} (autocast to {str(compute).removeprefix('torch.')})"
+        after = ([bias] if own_bias is None and bias is not None else []) + [b for _, b in added]
+        promoted = [b for b in after if tensor_meta(b) is not None and tensor_meta(b).dtype != compute]
+        if promoted:
+            raise _Miss(f"{variant}: the bias {promoted[0].name} ({tensor_meta(promoted[0]).dtype}) added to "
+                        f"the Linear's {compute} output (autocast) promotes it; not fused")
 
     adds = [a for a, _ in added]
     written = written_before_end({linear, *filter(None, [view]), *adds, h, *region}, end)
@@ -416,6 +434,15 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
         raise _Miss(f"{variant}: a training graph on CUDA, and dense_training_on_cuda is off "
                     "(flash_backend/config.py; set it True or FLASH_BACKEND_DENSE_TRAINING=1 to fuse it)")
     inserted = []
+    # Under autocast the Linear casts its floating operands to its compute dtype (eager's weight cache holds
+    # the same values); the op, which autocast does not touch, gets them cast the same way, in the graph, so
+    # that autograd takes each cast's gradient back to the operand's own dtype, as eager does.
+    cast = {n: insert_call(graph, torch.Tensor.to, (n, compute), like=linear) for n in autocast}
+    inserted += cast.values()
+    x, mat2 = cast.get(x, x), cast.get(mat2, mat2)
+    if weight is not None:
+        weight = cast.get(weight, weight)
+    biases = [cast.get(b, b) for b in biases]
     if mat2 is not None:
         weight = insert_call(graph, torch.t, (mat2,), like=linear)
         inserted.append(weight)

@@ -1,9 +1,11 @@
 """The dense pass on more same-function spellings: a bias added to a bias-free Linear, a second bias on a
 biased one, GELU spelled with torch.special.erf / erfc / torch.square / F.tanh, F.linear by keyword, and
-Linear written as an einsum; and the look-alikes next to them that must stay unrewritten.
+Linear written as an einsum, Linear + GELU under autocast; and the look-alikes next to them that must stay
+unrewritten.
 
 Every positive case checks the exact rewrite count, the variant in the report, and outputs and gradients
-(x, the weight and every bias) against eager on CPU fp32, with odd sizes, in training and in eval.
+(x, the weight and every bias) against eager on CPU fp32 (bf16 autocast for the autocast cases, at bf16's
+tolerance), with odd sizes, in training and in eval.
 Helpers come from tests/test_dense_pass.py and tests/test_dense_pass_styles.py.
 """
 
@@ -313,8 +315,8 @@ def test_near_miss_with_reason(make, reason):
 
 
 def test_autocast_linear_is_a_near_miss():
-    """Under autocast the matmul runs in bf16 and the fp32 bias add promotes its result; the fused op, given
-    the fp32 inputs, would run another GEMM and return another dtype: reported, not rewritten."""
+    """Under autocast the matmul runs in bf16 and an fp32 bias added after it promotes its result, so the
+    GELU runs in fp32; the fused op would return bf16: reported, not rewritten."""
     m = Parts(lambda m, x: F.gelu(x @ m.w.t() + m.b), "w b")
     x = torch.randn(3, 5, K)
     counters.clear()
@@ -323,7 +325,62 @@ def test_autocast_linear_is_a_near_miss():
     assert got.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(got, expected)
     assert counters["flash"]["dense"] == 0, str(report)
-    assert any("autocast" in d.detail for d in report.near_misses), str(report)
+    assert any("autocast" in d.detail and "promotes" in d.detail for d in report.near_misses), str(report)
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("make", [
+    lambda: Parts(lambda m, x: F.gelu(m.lin(x)), "lin"),
+    lambda: Parts(lambda m, x: F.gelu(F.linear(x, m.w, m.b), approximate="tanh"), "w b"),
+    lambda: Parts(lambda m, x: F.gelu(torch.addmm(m.b, x.view(-1, K), m.wt).view(*x.shape[:-1], N)), "wt b"),
+], ids=["nn.Linear", "F.linear tanh", "Conv1D addmm"])
+def test_autocast_linear_gelu_is_rewritten(make, train):
+    """Under autocast (mixed-precision training as most models run) the Linear casts x, its weight and its
+    bias to bf16 and the GELU runs on its bf16 output: the rewrite casts the same operands in the graph, so
+    the op computes the same function and the fp32 parameters get their gradients through the casts."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(3, 5, K)
+    counters.clear()
+    with collecting() as report, torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(model, _rewritten(model), x, train=train, atol=2e-2, rtol=2e-2)
+    assert counters["flash"]["dense"] == 1, str(report)
+    assert "autocast to bfloat16" in str(report), str(report)
+
+
+def test_autocast_end_to_end_with_the_flash_backend():
+    """backend="flash" (the passes, then Inductor) on an MLP block trained under autocast: the Linear + GELU
+    is fused, and outputs and fp32 gradients match eager's autocast run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(K, N), nn.GELU(), nn.Linear(N, K))
+    counters.clear()
+    with collecting() as report, torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(model, torch.compile(model, backend="flash", fullgraph=True), torch.randn(3, 5, K),
+                     atol=2e-2, rtol=2e-2)
+    assert counters["flash"]["dense"] == 1, str(report)
+
+
+def test_autocast_entered_inside_the_model():
+    """autocast entered inside forward (dynamo records its enter and exit in the graph): the same rewrite, and
+    the Linear outside the region stays fp32 and is not touched by the casts."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = nn.Linear(K, N), nn.Linear(N, N)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = F.gelu(self.inner(x))
+            return F.gelu(self.outer(h.float()))
+
+    torch.manual_seed(0)
+    model = Mixed()
+    counters.clear()
+    with collecting() as report:
+        _assert_same(model, _rewritten(model), torch.randn(3, 5, K), atol=2e-2, rtol=2e-2)
+    assert counters["flash"]["dense"] == 2, str(report)
+    assert str(report).count("autocast to bfloat16") == 1, str(report)
 
 
 def test_second_bias_rewrite_keeps_the_other_families():
