@@ -360,6 +360,30 @@ def test_autocast_end_to_end_with_the_flash_backend():
     assert counters["flash"]["dense"] == 1, str(report)
 
 
+def test_autocast_pre_norm_block_fuses_norms_and_dense():
+    """A GPT-2 style pre-norm block trained under autocast: the bf16 MLP output (dropout p=0) joins the fp32
+    residual stream before the second LayerNorm. Both norms and the Linear + GELU are fused, and outputs and
+    fp32 gradients match eager's autocast run."""
+
+    class Block(nn.Module):
+        def __init__(self, d=K):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.fc, self.proj, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.0)
+
+        def forward(self, x):
+            h = x + self.drop(self.proj(F.gelu(self.fc(self.ln1(x)))))
+            return self.ln2(h)
+
+    torch.manual_seed(0)
+    model = Block()
+    counters.clear()
+    with collecting() as report, torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(model, torch.compile(model, backend="flash", fullgraph=True), torch.randn(3, 5, K),
+                     atol=2e-2, rtol=2e-2)
+    assert (counters["flash"]["dense"], counters["flash"]["norm"]) == (1, 2), str(report)
+
+
 def test_autocast_entered_inside_the_model():
     """autocast entered inside forward (dynamo records its enter and exit in the graph): the same rewrite, and
     the Linear outside the region stays fp32 and is not touched by the casts."""
