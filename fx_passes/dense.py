@@ -44,13 +44,12 @@ each cast's gradient back to the fp32 parameter, as eager's autocast does.
 
 Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
 with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
-that is written in place before it ends, under autocast a bias of the operands' dtype added after the Linear
+that is written in place before it ends, under autocast an fp32 bias added after the Linear
 (``x @ w.t() + b``, ``lin(x) + b2``: eager's add promotes the output, so the GELU runs in fp32), and a
 candidate whose fused result would differ in dtype or shape from eager's (checked by running the op on the
-fake inputs). Left alone without a report,
-because they are not a Linear + bias + GELU the pass can prove: ``h - b``, ``torch.add(h, b, alpha=a)``,
-an addend of another shape ((1, N), (M, N)), a bias add on a Linear output that is also read elsewhere, a
-GELU written with two transcendental calls, sigmoid forms.
+fake inputs). Left alone without a report, because they are not a Linear + bias + GELU the pass can prove:
+``h - b``, ``torch.add(h, b, alpha=a)``, an addend of another shape ((1, N), (M, N)), a bias add on a Linear
+output that is also read elsewhere, a GELU written with two transcendental calls, sigmoid forms.
 """
 
 from __future__ import annotations
