@@ -410,15 +410,19 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     # casts, its own bias included (eager refuses mixed dtypes otherwise). A bias added after it
     # (x @ w.t() + b, lin(x) + b2) is not cast: an fp32 one promotes the Linear's output to fp32, and the GELU
     # runs in fp32.
-    compute = tensor_meta(linear).dtype if tensor_meta(linear) is not None else None
+    compute = getattr(tensor_meta(linear), "dtype", None)
+
+    def off_dtype(nodes):  # those whose dtype is known and is not the Linear's compute dtype
+        if compute is None:
+            return []
+        return [n for n in nodes if getattr(tensor_meta(n), "dtype", compute) != compute]
+
     own_bias = bias if bias is not None and bias in linear.all_input_nodes else None
-    operands = [n for n in (x, weight, mat2, own_bias) if n is not None]
-    autocast = [n for n in operands if compute is not None and tensor_meta(n) is not None
-                and tensor_meta(n).dtype != compute]
+    autocast = off_dtype(n for n in (x, weight, mat2, own_bias) if n is not None)
     if autocast:
         variant = f"{variant} (autocast to {str(compute).removeprefix('torch.')})"
-        after = ([bias] if own_bias is None and bias is not None else []) + [b for _, b in added]
-        promoted = [b for b in after if tensor_meta(b) is not None and tensor_meta(b).dtype != compute]
+        after = [bias] if own_bias is None and bias is not None else []  # x @ w.t() + b: b is added after
+        promoted = off_dtype(after + [b for _, b in added])
         if promoted:
             raise _Miss(f"{variant}: the bias {promoted[0].name} ({tensor_meta(promoted[0]).dtype}) added to "
                         f"the Linear's {compute} output (autocast) promotes it; not fused")

@@ -225,6 +225,11 @@ PICK_LINE = (r": candidate (\d+) of (\d+) \(id \d+ tile \d+ stages \d+ splitk \d
              r"heuristic (\d+), us( (\d+\.\d+|fail))+$")
 
 
+def _pick_times(line: str) -> list[str]:
+    """Each candidate's time in a pick line, in candidate order: microseconds, or "fail"."""
+    return line.rsplit(", us ", 1)[1].split()
+
+
 @pytest.mark.cuda
 def test_algo_picks_report_each_timed_problem():
     """A GEMM problem not seen before is timed over its candidates once: one line naming the problem, the
@@ -237,7 +242,7 @@ def test_algo_picks_report_each_timed_problem():
     assert len(mine) == 1, picks
     assert re.search(PICK_LINE, mine[0]), mine[0]
     kept, found = map(int, re.search(r"candidate (\d+) of (\d+)", mine[0]).groups())
-    times = mine[0].rsplit(", us ", 1)[1].split()
+    times = _pick_times(mine[0])
     assert len(times) == found and times[kept] != "fail"
     assert float(times[kept]) == min(float(t) for t in times if t != "fail")
     linear_bias(x, w, b)
@@ -256,7 +261,7 @@ def test_extra_candidates_are_timed_with_the_heuristics():
     assert len(mine) == 1, mine
     kept, found, heuristic = map(int, re.search(PICK_LINE, mine[0]).groups()[:3])
     assert 1 <= heuristic <= found
-    times = mine[0].rsplit(", us ", 1)[1].split()
+    times = _pick_times(mine[0])
     assert float(times[kept]) == min(float(t) for t in times if t != "fail")
     if torch.cuda.get_device_capability() == (9, 0) and int(torch.version.cuda.split(".")[0]) >= 13:
         assert found > heuristic, mine[0]
@@ -289,7 +294,7 @@ def test_every_cublaslt_candidate_is_correct(dtype):
             call()  # measured: its pick line lists every candidate and which ones cuBLASLt refused
             picks = dense.cublaslt_algo_picks()[before:]
             assert len(picks) == 1, (name, picks)
-            times = picks[0].rsplit(", us ", 1)[1].split()
+            times = _pick_times(picks[0])
             checked = 0
             for index, time in enumerate(times):
                 if time == "fail":
