@@ -511,7 +511,10 @@ def test_interpret_gelu_backward_pass(interpreter, approximate, shape):
     grad = torch.randn(shape)
     for config in _SMALL_GELU_CONFIGS:
         for name, (ours, eager) in _gelu_backward_errors(grad, pre, approximate, config).items():
-            assert ours <= 2 * eager + 1e-5, (config, name, ours, eager)
+            # As in the cuda test: the bias gradient sums M values, each off by up to the tanh GELU''s
+            # ~4e-6 here, so its error grows with sqrt(M) (a flat 1e-5 failed ~1 run in 5 at M=130).
+            bound = 2 * eager + 1e-5 * (shape[0] ** 0.5 if name == "grad_bias" else 1.0)
+            assert ours <= bound, (config, name, ours, eager)
 
 
 def test_gelu_backward_of_no_rows_is_empty_and_zero_bias():
