@@ -29,23 +29,23 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 class Parts(nn.Module):
-    """Those of w (N, K), wt (K, N), b, b2 (bare parameters), lin (nn.Linear) and lin0 (nn.Linear without
+    """Those of w (n, k), wt (k, n), b, b2 (bare parameters), lin (nn.Linear) and lin0 (nn.Linear without
     bias) that fn(m, x) reads, named in `parts`, so that every parameter gets a gradient."""
 
-    def __init__(self, fn, parts):
+    def __init__(self, fn, parts, k=K, n=N):
         super().__init__()
         self.fn, parts = fn, parts.split()
         if "w" in parts:
-            self.w = nn.Parameter(torch.randn(N, K) / K**0.5)
+            self.w = nn.Parameter(torch.randn(n, k) / k**0.5)
         if "wt" in parts:
-            self.wt = nn.Parameter(torch.randn(K, N) / K**0.5)
+            self.wt = nn.Parameter(torch.randn(k, n) / k**0.5)
         for name in ("b", "b2"):
             if name in parts:
-                setattr(self, name, nn.Parameter(torch.randn(N)))
+                setattr(self, name, nn.Parameter(torch.randn(n)))
         if "lin" in parts:
-            self.lin = nn.Linear(K, N)
+            self.lin = nn.Linear(k, n)
         if "lin0" in parts:
-            self.lin0 = nn.Linear(K, N, bias=False)
+            self.lin0 = nn.Linear(k, n, bias=False)
 
     def forward(self, x):
         return self.fn(self, x)
@@ -405,6 +405,76 @@ def test_autocast_entered_inside_the_model():
         _assert_same(model, _rewritten(model), torch.randn(3, 5, K), atol=2e-2, rtol=2e-2)
     assert counters["flash"]["dense"] == 2, str(report)
     assert str(report).count("autocast to bfloat16") == 1, str(report)
+
+
+# CUDA autocast: K and N multiples of 8, so the fused op runs its GPU path (cuBLASLt / Triton), not the
+# reference; M = 15 odd. CUDA's autocast policy differs from the CPU's (torch.pow runs in fp32 there).
+CK, CN = 24, 40
+
+
+def _cuda_parts(fn, parts):
+    return Parts(fn, parts, k=CK, n=CN).cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("make", [
+    lambda: _cuda_parts(lambda m, x: F.gelu(m.lin(x)), "lin"),
+    lambda: _cuda_parts(lambda m, x: F.gelu(F.linear(x, m.w, m.b), approximate="tanh"), "w b"),
+    lambda: _cuda_parts(
+        lambda m, x: F.gelu(torch.addmm(m.b, x.view(-1, CK), m.wt).view(*x.shape[:-1], CN)), "wt b"),
+], ids=["nn.Linear", "F.linear tanh", "Conv1D addmm"])
+def test_cuda_autocast_linear_gelu_is_rewritten(make, train, dtype):
+    """test_autocast_linear_gelu_is_rewritten under CUDA autocast, on the GPU kernels: outputs and the fp32
+    parameters' gradients match eager's autocast run."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(3, 5, CK, device="cuda")
+    counters.clear()
+    with collecting() as report, torch.autocast("cuda", dtype=dtype):
+        _assert_same(model, _rewritten(model), x, train=train, atol=2e-2, rtol=2e-2)
+    assert counters["flash"]["dense"] == 1, str(report)
+    assert f"autocast to {str(dtype).split('.')[-1]}" in str(report), str(report)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_gelu_new_with_pow_is_a_near_miss():
+    """GPT-2's gelu_new under CUDA autocast: torch.pow runs in fp32 there, so eager's GELU returns fp32 where
+    the fused op would return bf16. Left alone and reported; the compiled result is eager's."""
+    torch.manual_seed(0)
+    model = _cuda_parts(lambda m, x: new_gelu(m.lin(x)), "lin")
+    x = torch.randn(3, 5, CK, device="cuda")
+    counters.clear()
+    with collecting() as report, torch.autocast("cuda", dtype=torch.bfloat16):
+        _assert_same(model, _rewritten(model), x, atol=1e-5, rtol=1e-5)
+        assert model(x).dtype == torch.float32
+    assert counters["flash"]["dense"] == 0, str(report)
+    assert any("float32" in d.detail for d in report.near_misses), str(report)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_pre_norm_block_with_the_flash_backend():
+    """test_autocast_pre_norm_block_fuses_norms_and_dense under CUDA autocast with backend="flash": both
+    norms and the Linear + GELU fused, outputs and fp32 gradients as eager's autocast run."""
+
+    class Block(nn.Module):
+        def __init__(self, d=CK):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.fc, self.proj, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.0)
+
+        def forward(self, x):
+            h = x + self.drop(self.proj(F.gelu(self.fc(self.ln1(x)))))
+            return self.ln2(h)
+
+    torch.manual_seed(0)
+    model = Block().cuda()
+    counters.clear()
+    with collecting() as report, torch.autocast("cuda", dtype=torch.bfloat16):
+        _assert_same(model, torch.compile(model, backend="flash", fullgraph=True),
+                     torch.randn(3, 5, CK, device="cuda"), atol=2e-2, rtol=2e-2)
+    assert (counters["flash"]["dense"], counters["flash"]["norm"]) == (1, 2), str(report)
 
 
 def test_second_bias_rewrite_keeps_the_other_families():
