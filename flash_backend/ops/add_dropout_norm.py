@@ -38,6 +38,7 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
 )
 from flash_backend.kernels.partial_sums import sum_partials
 from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (
     DROPOUT_PHILOX_ROUNDS,
     HALF,
@@ -205,13 +206,13 @@ def _fwd_cpu(x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, resid
     y, h, mean_ref, rstd_ref = add_dropout_norm_ref(
         x, residual, weight, bias, seed, eps, dropout_p, is_rms_norm, residual_in_fp32
     )
-    out.copy_(y)
+    # results returned, not copied into the buffers: ops/_outputs.py says why
     if residual_out.numel():
-        residual_out.copy_(h)
+        # with neither residual nor dropout h may be x itself, which an output may not alias
+        residual_out = as_output(h.clone() if residual is None and dropout_p == 0.0 else h, residual_out)
     if mean.numel():
-        mean.copy_(mean_ref)
-    rstd.copy_(rstd_ref)
-    return out, residual_out, mean, rstd
+        mean = as_output(mean_ref, mean)
+    return as_output(y, out), residual_out, mean, as_output(rstd_ref, rstd)
 
 
 def _bwd_cpu(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is_rms_norm, has_residual,
@@ -229,16 +230,19 @@ def _bwd_cpu(dy, dresidual_out, h, weight, bias, mean, rstd, seed, dropout_p, is
         dh = (wdy - xhat * c1 - wdy.mean(-1, keepdim=True)) * rstd[:, None]
     if dresidual_out is not None:
         dh = dh + dresidual_out.reshape(-1, n).float()
+    # results returned, not copied into the buffers: ops/_outputs.py says why
     if has_residual:
-        dresidual.copy_(dh.reshape(dresidual.shape))
+        dresidual = as_output(dh.reshape(dresidual.shape), dresidual)
     if dropout_p > 0.0:
         keep = dropout_keep_mask(seed, hf.shape[0], n, dropout_p)
         dh = torch.where(keep, dh * dropout_scale(dropout_p), 0.0)
-    dx.copy_(dh.reshape(dx.shape))
+    elif has_residual:
+        dh = dh.clone()  # dx would be dresidual itself: an op's outputs may not alias each other
+    dx = as_output(dh.reshape(dx.shape), dx)
     if weight is not None:
-        dweight.copy_((dyf * xhat).sum(0))
+        dweight = as_output((dyf * xhat).sum(0), dweight)
     if bias is not None:
-        dbias.copy_(dyf.sum(0))
+        dbias = as_output(dyf.sum(0), dbias)
     return dx, dresidual, dweight, dbias
 
 

@@ -42,6 +42,7 @@ from torch.library import triton_op
 
 from flash_backend._traced_launch import traced_launch
 from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (  # noqa: F401  (re-exported: the tests and bench read them here)
     DROPOUT_PHILOX_ROUNDS,
     HALF,
@@ -336,9 +337,8 @@ def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_l
         return out, lse
     ref_out, ref_lse = attention_reference(q, k, v, attn_mask, seed, dropout_p, scale, window_left,
                                            window_right, bottom_right)
-    out.copy_(ref_out)
-    lse.copy_(ref_lse)
-    return out, lse
+    # results returned, not copied into the buffers: ops/_outputs.py says why
+    return as_output(ref_out, out), as_output(ref_lse, lse)
 
 
 @triton_op("flash::attention_forward", mutates_args=())
@@ -372,12 +372,10 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
     rdq, rdk, rdv, rdb = attention_backward_reference(dout, q, k, v, out, lse, attn_mask, seed, dropout_p,
                                                       scale, window_left, window_right, bottom_right,
                                                       compute_dbias)
-    dq.copy_(rdq)
-    dk.copy_(rdk)
-    dv.copy_(rdv)
+    # results returned, not copied into the buffers: ops/_outputs.py says why
     if compute_dbias:
-        dbias.copy_(rdb)
-    return dq, dk, dv, dbias
+        dbias = as_output(rdb, dbias)
+    return as_output(rdq, dq), as_output(rdk, dk), as_output(rdv, dv), dbias
 
 
 @triton_op("flash::attention_backward", mutates_args=())
@@ -462,9 +460,8 @@ def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out, lse
     ref_out, ref_lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seed, dropout_p,
                                                   scale, window_left, window_right, bottom_right)
-    out.copy_(ref_out)
-    lse.copy_(ref_lse)
-    return out, lse
+    # results returned, not copied into the buffers: ops/_outputs.py says why
+    return as_output(ref_out, out), as_output(ref_lse, lse)
 
 
 @attention_varlen_forward.register_fake
@@ -491,10 +488,8 @@ def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     rdq, rdk, rdv = attention_varlen_backward_reference(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                         seed, dropout_p, scale, window_left, window_right,
                                                         bottom_right)
-    dq.copy_(rdq)
-    dk.copy_(rdk)
-    dv.copy_(rdv)
-    return dq, dk, dv
+    # results returned, not copied into the buffers: ops/_outputs.py says why
+    return as_output(rdq, dq), as_output(rdk, dk), as_output(rdv, dv)
 
 
 @attention_varlen_backward.register_fake

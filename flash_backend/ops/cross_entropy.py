@@ -43,6 +43,7 @@ from torch.library import triton_op
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
 from flash_backend.ops._eager import plain_launch
+from flash_backend.ops._outputs import as_output
 from flash_backend.ops.dense import cublaslt_ready
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "padded_classes"]
@@ -247,9 +248,8 @@ def _fwd_cpu(x, weight, bias, target, ignore_index, label_smoothing, check_targe
     _check(x, weight, bias, target, label_smoothing)
     logits, loss, lse = linear_cross_entropy_reference(x, weight, bias, target, ignore_index, label_smoothing,
                                                        check_targets=check_targets)
-    padded = _empty_logits(*logits.shape, logits)
-    padded.copy_(logits)
-    return padded, loss, lse
+    # the result returned, not copied into the padded buffer when it has its layout: ops/_outputs.py says why
+    return as_output(logits, _empty_logits(*logits.shape, logits)), loss, lse
 
 
 @triton_op("flash::linear_cross_entropy_fwd", mutates_args=())
@@ -264,8 +264,7 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, tar
     if _cublaslt_forward(x):
         logits = torch.ops.flash.cublaslt_linear(x.contiguous(), *_pad_classes(weight, bias))[:, :num_classes]
     else:
-        logits = _empty_logits(x.shape[0], num_classes, x)
-        logits.copy_(F.linear(x, weight, bias))
+        logits = as_output(F.linear(x, weight, bias), _empty_logits(x.shape[0], num_classes, x))
     loss, lse = cross_entropy_fwd_launch(logits, target, ignore_index, label_smoothing, launch=traced_launch)
     return logits, loss, lse
 
