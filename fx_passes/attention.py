@@ -652,6 +652,9 @@ class _Candidate:
         # Finite fill values (e.g. finfo.min) the op treats as -inf. They give the same result except on
         # rows where every key is masked: eager averages those uniformly, the op returns 0. Reported.
         self.finite_fills: list[float] = []
+        # A -inf fill: on such rows eager's softmax gives NaN and the op 0 (its documented semantics for
+        # fully masked rows). Reported where a mask stays (a causal band folded into is_causal has none).
+        self.inf_fill = False
 
     def fold(self, factor):
         if isinstance(factor, tuple):
@@ -853,6 +856,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
             if math.isfinite(value):
                 cand.finite_fills.append(value)
+            else:
+                cand.inf_fill = True
             fills[len(steps)] = value
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, True))
@@ -873,6 +878,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                             f"{list(_shape(x) or [])}")
             if math.isfinite(value):
                 cand.finite_fills.append(value)
+            else:
+                cand.inf_fill = True
             fills[len(steps)] = value
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, not ra))
@@ -1428,6 +1435,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     if cand.finite_fills:
         details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf: a row with every key masked "
                        "gives 0, where eager averages it uniformly")
+    if cand.inf_fill and mask is not None:
+        details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
     record_rewrite(FAMILY, f"softmax({cand.variant})", f"flash_attention({', '.join(details)})", softmax)
 
 

@@ -930,10 +930,31 @@ def test_finite_fill_taken_as_minus_inf_is_reported(fill):
     report = flash_backend.explain(PaddedAttention(), q, k, v, keep, print_report=False)
     (rewrite,) = report.rewrites
     assert ("taken as -inf" in rewrite.detail) == (fill != float("-inf"))
-    torch.testing.assert_close(
-        torch.compile(PaddedAttention(), backend=rewrite_only_backend)(q, k, v, keep),
-        PaddedAttention()(q, k, v, keep),
-    )
+    # with -inf, a fully masked row is NaN in eager and 0 in the op: said too
+    assert ("where eager gives NaN" in rewrite.detail) == (fill == float("-inf"))
+    compiled = torch.compile(PaddedAttention(), backend=rewrite_only_backend)
+    torch.testing.assert_close(compiled(q, k, v, keep), PaddedAttention()(q, k, v, keep))
+    keep[1] = False  # batch 1: every key masked
+    got, expected = compiled(q, k, v, keep), PaddedAttention()(q, k, v, keep)
+    torch.testing.assert_close(got[0], expected[0])
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert expected[1].isnan().all() if fill == float("-inf") else not expected[1].isnan().any()
+
+
+def test_causal_band_folded_into_is_causal_reports_no_masked_rows():
+    """A -inf causal band built in the graph becomes is_causal: no row is ever fully masked, nothing to
+    say."""
+
+    class Causal(nn.Module):
+        def forward(self, q, k, v):
+            S = q.shape[-2]
+            s = q @ k.transpose(-1, -2) / 8.0
+            band = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+            return s.masked_fill(~band, float("-inf")).softmax(-1) @ v
+
+    q, k, v = (torch.randn(2, 4, 16, 64) for _ in range(3))
+    (rewrite,) = flash_backend.explain(Causal(), q, k, v, print_report=False).rewrites
+    assert "causal" in rewrite.detail and "NaN" not in rewrite.detail, rewrite.detail
 
 
 class _TypeAsScores(nn.Module):
