@@ -22,9 +22,10 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   symbolic under dynamic shapes), and either reduced without keepdim then given the dim back
   (``x.mean(-1).unsqueeze(-1)``, ``[..., None]``). A sum over another count (``/ (N - 1)``, another dim's
   size) is another function and no candidate; a number over a symbolic size is reported (it is the size
-  only for the example), and so is a float16 sum (it overflows past 65504 where the mean does not) and a
-  dim given back later than on the mean itself
-  (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``: no keepdim);
+  only for the example), and so is a float16 sum (it overflows past 65504 where the mean does not). A
+  statistic reduced without keepdim may also get its last dim back on a ``var`` / ``std`` call itself
+  (``x.var(-1, unbiased=False)[..., None]``) or after its root (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``,
+  ``.unsqueeze(-1)``, ``[:, :, None]``): the same values as keepdim=True;
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
   ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
   multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -325,6 +326,37 @@ def _reciprocal_of(root: torch.fx.Node, nodes: set) -> tuple[set, torch.fx.Node,
     return nodes, root, True
 
 
+def _given_back(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The single user of node that appends a last dim of size 1 (``.unsqueeze(-1)``, ``[..., None]``):
+    on a per-row statistic reduced without keepdim, that gives the reduced dim back, the same values as
+    keepdim=True. None otherwise."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if is_op(user, "unsqueeze") and len(user.args) == 2 and user.args[0] is node and not user.kwargs:
+        pos = user.args[1]
+    elif _appends_none(user) and user.args[0] is node:
+        pos = -1
+    else:
+        return None
+    t = tensor_meta(user)
+    if t is None or not isinstance(pos, int) or not -t.dim() <= pos < t.dim() or pos % t.dim() != t.dim() - 1:
+        return None
+    return user
+
+
+def _chain_given_back(chain):
+    """(chain, given back) for a statistic reduced without keepdim: the chain's root followed by the dim given
+    back (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``) ends at that node instead."""
+    if chain is None:
+        return None, False
+    eps, nodes, root, is_sqrt = chain
+    back = _given_back(root)
+    if back is None:
+        return chain, False
+    return (eps, nodes | {root}, back, is_sqrt), True
+
+
 @dataclass
 class _Scaled:
     """value * rsqrt(..) / value / sqrt(..): the node, the accepted value, and a weight the value was
@@ -403,12 +435,25 @@ def _reduced_dims(m: _Mean) -> list[int] | None:
     return [d % t.dim() for d in dims]
 
 
+def _appends_none(node: torch.fx.Node) -> bool:
+    """node is ``t[..., None]`` or ``t[:, ..., :, None]`` (every dim of t taken whole): a new last dim of
+    size 1."""
+    if not is_op(node, "getitem") or len(node.args) != 2 or not isinstance(node.args[1], tuple):
+        return False
+    t, index = tensor_meta(node.args[0]), node.args[1]
+    if index == (Ellipsis, None):
+        return True
+    whole = slice(None, None, None)
+    return t is not None and len(index) == t.dim() + 1 and index[-1] is None and all(
+        i == whole for i in index[:-1])
+
+
 def _keepdim_restored(node: torch.fx.Node, match) -> _Mean | None:
     """match(node); or, for node = r.unsqueeze(d) / r[..., None], the reduction r = match(r) taken without
     keepdim and given its one reduced dim d back, which is the same as keepdim=True."""
     if is_op(node, "unsqueeze") and len(node.args) == 2 and not node.kwargs:
         inner, pos = node.args
-    elif is_op(node, "getitem") and len(node.args) == 2 and node.args[1] == (Ellipsis, None):
+    elif _appends_none(node):
         inner, pos = node.args[0], -1
     else:
         return match(node)
@@ -517,6 +562,9 @@ def _match_rms(mean: _Mean) -> _Core | None:
         if centre is not None and _centered(y, centre):
             return None  # the variance of a hand-written LayerNorm: matched from its mean
     chain = _denominator(mean.node)
+    if not mean.keepdim:  # the reduced dim given back after the eps and the root
+        chain, back = _chain_given_back(chain)
+        mean = replace(mean, keepdim=back)
     if chain is None:
         return None
     variant = "hand-written RMSNorm"
@@ -566,19 +614,37 @@ def _match_layer(mean: _Mean) -> _Core | None:
         elif _square_of(node) is not None and any(_same_value(_square_of(node), s) for s in subs):
             stats.extend(_means_of(node))
     stats = list({id(s): s for s in stats}.values())
-    chains = [(s, _stat_chain(s, is_op(s, "std"))) for s in stats]  # a _Mean is no std
-    chains = [(s, c) for s, c in chains if c is not None]
+    chains = [(s, *_variance_chain(s)) for s in stats]
+    chains = [(s, c, back) for s, c, back in chains if c is not None]
     if not chains:
         return None
-    stat, chain = chains[0]
+    stat, chain, back = chains[0]
     _check_mean(mean, "the mean")
     if isinstance(stat, _Mean):
         reduction = None
-        _check_mean(stat, "the variance")
+        _check_mean(replace(stat, keepdim=stat.keepdim or back is not None), "the variance")
         inner = {stat.src, *stat.nodes} | {a for a in stat.src.args if isinstance(a, torch.fx.Node)}
     else:
         reduction, inner = stat, {stat}
-    return _layer_core(x, subs, reduction, chain, inner | mean.nodes, mean.node)
+    if back is not None:
+        inner.add(back)
+    return _layer_core(x, subs, reduction, chain, inner | mean.nodes, mean.node, given_back=back is not None)
+
+
+def _variance_chain(stat: torch.fx.Node | _Mean):
+    """(chain, the node giving the reduced dim back or None) of a variance / standard deviation: _stat_chain,
+    where a statistic reduced without keepdim may get its dim back on itself (``x.var(-1, ..)[..., None]``)
+    or after its root (``rsqrt(x.var(-1, ..) + eps)[..., None]``)."""
+    is_std = not isinstance(stat, _Mean) and is_op(stat, "std")  # a _Mean is no std
+    keepdim = stat.keepdim if isinstance(stat, _Mean) else bool(arg(stat, 3, "keepdim", False))
+    if keepdim:
+        return _stat_chain(stat, is_std), None
+    node = stat.node if isinstance(stat, _Mean) else stat
+    back = _given_back(node)
+    if back is not None:
+        return _stat_chain(back, is_std), back
+    chain, given = _chain_given_back(_stat_chain(stat, is_std))
+    return chain, (chain[2] if given else None)
 
 
 def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
@@ -605,7 +671,7 @@ def _stat_chain(stat: torch.fx.Node | _Mean, is_std: bool):
     return (0.0, set(), stat, True) if is_std else _denominator(stat)
 
 
-def _layer_core(x, subs, reduction, chain, inner: set, anchor) -> _Core:
+def _layer_core(x, subs, reduction, chain, inner: set, anchor, given_back: bool = False) -> _Core:
     """The LayerNorm core from its centred values and statistic. reduction is the var / std / var_mean /
     std_mean call whose dim, keepdim and correction are checked here (None: a mean of squares, checked
     by the caller)."""
@@ -614,7 +680,7 @@ def _layer_core(x, subs, reduction, chain, inner: set, anchor) -> _Core:
     if reduction is not None:
         what = _REDUCTION_NAMES[op_name(reduction)]
         dim, keepdim = arg(reduction, 1, "dim"), bool(arg(reduction, 3, "keepdim", False))
-        _check_last_dim(reduction.args[0], dim, keepdim, what)
+        _check_last_dim(reduction.args[0], dim, keepdim or given_back, what)
         if not _biased(reduction):
             reasons.append(f"{what} is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
     # Every reason is given (the Annotated Transformer's x.std() + eps has two).

@@ -398,12 +398,53 @@ def test_near_miss_sum_over_another_dim_divided_by_its_size():
     _check_near_miss(Fn(fn), (_x(2, 5, N),), "not only the last dim")
 
 
-def test_near_miss_dim_given_back_after_the_statistic():
-    # the mean square is unsqueezed only after rsqrt: still reported for its missing keepdim
-    def fn(m, x):
-        return x * torch.rsqrt(x.pow(2).sum(-1) / N + EPS)[..., None]
+# A statistic reduced without keepdim whose dim is given back later, or on a var / std call itself: the same
+# values as keepdim=True (the unsqueeze restores the reduced last dim), so rewritten.
+GIVEN_BACK = {
+    "rms_sum_over_n_rsqrt_index_none": (lambda m, x: x * torch.rsqrt(x.pow(2).sum(-1) / N + EPS)[..., None],
+                                        "hand-written RMSNorm"),
+    "rms_rsqrt_unsqueeze_last": (
+        lambda m, x: m.weight * x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(-1),
+        "hand-written RMSNorm"),
+    "rms_rsqrt_full_slices_none": (
+        lambda m, x: x * torch.rsqrt(x.pow(2).mean(-1) + EPS)[:, :, None] * m.weight,
+        "hand-written RMSNorm + weight"),
+    "rms_one_over_sqrt_unsqueeze_positive": (
+        lambda m, x: x * (1 / torch.sqrt(x.pow(2).mean(-1) + EPS)).unsqueeze(2), "hand-written RMSNorm"),
+    "ln_var_index_none": (lambda m, x: (x - x.mean(-1)[..., None])
+                          / torch.sqrt(x.var(-1, unbiased=False)[..., None] + EPS) * m.weight + m.bias,
+                          "hand-written LayerNorm + weight + bias"),
+    "ln_var_correction_0_unsqueeze": (lambda m, x: (x - x.mean(-1, keepdim=True))
+                                      / torch.sqrt(x.var(-1, correction=0).unsqueeze(-1) + EPS),
+                                      "hand-written LayerNorm"),
+    "ln_rsqrt_var_then_index_none": (lambda m, x: (x - x.mean(-1, keepdim=True))
+                                     * torch.rsqrt(x.var(-1, unbiased=False) + EPS)[..., None],
+                                     "hand-written LayerNorm"),
+    "ln_mean_square_rsqrt_then_index_none": (
+        lambda m, x: (lambda c: c * torch.rsqrt(c.pow(2).mean(-1) + EPS)[..., None])(
+            x - x.mean(-1, keepdim=True)), "hand-written LayerNorm"),
+    "ln_std_then_index_none": (
+        lambda m, x: (x - x.mean(-1, keepdim=True)) / x.std(-1, correction=0)[..., None],
+        "hand-written LayerNorm"),
+}
 
-    _check_near_miss(Fn(fn), (_x(3, N),), "keepdim")
+
+@pytest.mark.parametrize("name", list(GIVEN_BACK))
+def test_statistic_dim_given_back_later_is_rewritten(name):
+    fn, text = GIVEN_BACK[name]
+    _check_rewrite(Fn(fn), (_x(3, 5, N),), text=text, **TOL)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    # given back at another dim: (3, 1, 5) scales x[:, :, :5] across rows, not per row
+    (lambda m, x: x[:, :, :5] * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(1), "keepdim"),
+    # an unbiased variance, given back: still another function
+    (lambda m, x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1)[..., None] + EPS), "unbiased"),
+    # eps added after the square root of a given-back standard deviation
+    (lambda m, x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, unbiased=False)[..., None] + EPS), "after the"),
+], ids=["another_dim", "unbiased", "eps_after_sqrt"])
+def test_near_miss_statistic_given_back_but_another_function(fn, reason):
+    _check_near_miss(Fn(fn), (_x(3, 5, N),), reason)
 
 
 def test_near_miss_sum_intermediate_with_other_users():
