@@ -70,16 +70,19 @@ def _run(model, inputs, weights):
     return before, [o.detach() for o in outs]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_returned_views_survive_backward(name):
+def test_returned_views_survive_backward(name, device):
+    """fp32: on CUDA the norm and dense ops run their kernels, attention its reference (fp32 is not a
+    kernel dtype), so both kinds of body are covered there."""
     make, shapes, family = CASES[name]
     torch.manual_seed(0)
-    model = make()
-    inputs = [torch.randn(shape) for shape in shapes]
+    model = make().to(device)
+    inputs = [torch.randn(shape, device=device) for shape in shapes]
     with torch.no_grad():
         probe = model(*inputs)
     probe = probe if isinstance(probe, tuple) else (probe,)
-    weights = [torch.linspace(0.3, 1.7, o.numel()).view(o.shape) for o in probe]
+    weights = [torch.linspace(0.3, 1.7, o.numel(), device=device).view(o.shape) for o in probe]
 
     eager_in = [t.clone().requires_grad_() for t in inputs]
     eager_before, eager_after = _run(model, eager_in, weights)
