@@ -674,7 +674,7 @@ def _stat_chain(stat: torch.fx.Node | _Mean, is_std: bool):
 def _layer_core(x, subs, reduction, chain, inner: set, anchor, given_back: bool = False) -> _Core:
     """The LayerNorm core from its centred values and statistic. reduction is the var / std / var_mean /
     std_mean call whose dim, keepdim and correction are checked here (None: a mean of squares, checked
-    by the caller)."""
+    by the caller); given_back: its reduced dim is given back by an unsqueeze, which counts as keepdim."""
     eps, nodes, root, is_sqrt = chain
     reasons = []
     if reduction is not None:
