@@ -282,6 +282,43 @@ def fake_call(fn: Callable, args: Sequence, kwargs: dict):
         return fn(*fargs, **fkwargs)
 
 
+# Nodes dynamo records for ``with torch.no_grad()`` / ``enable_grad()`` / ``set_grad_enabled`` /
+# ``inference_mode`` / ``autocast`` inside a compiled function: global state that holds for every node after
+# them, up to the next one. A fused call must run in the state of the nodes it replaces.
+_STATE_CHANGES = frozenset({"_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
+                            "_enter_inference_mode", "_exit_inference_mode"})
+
+
+def _changes_state(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", None) in _STATE_CHANGES
+
+
+def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int] | None:
+    """For each node, how many grad-mode / autocast changes precede it (nodes with the same number run in
+    the same state); None for a graph without such changes, the common case."""
+    has = getattr(graph, "_flash_has_state_changes", None)
+    if has is None:  # the passes never add or remove these nodes: looked for once per graph
+        has = graph._flash_has_state_changes = any(_changes_state(n) for n in graph.nodes)
+    if not has:
+        return None
+    regions, count = {}, 0
+    for n in graph.nodes:
+        count += _changes_state(n)
+        regions[n] = count
+    return regions
+
+
+def state_crossing(nodes: Iterable[torch.fx.Node]) -> str | None:
+    """Why a fused call cannot replace `nodes` (a grad-mode / autocast change lies between them, so they
+    do not all run in one state), or None."""
+    nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
+    regions = state_regions(nodes[0].graph) if nodes else None
+    if regions is None or len({regions[n] for n in nodes}) <= 1:
+        return None
+    return ("a torch.no_grad() / enable_grad() / set_grad_enabled / autocast region begins or ends inside "
+            "the pattern: one fused call would run it all in one state")
+
+
 def insert_call(graph: torch.fx.Graph, fn: Callable, args: Sequence, kwargs: dict | None = None,
                 *, after: Sequence[torch.fx.Node] = (), like: torch.fx.Node | None = None) -> torch.fx.Node:
     """Insert call_function(fn) right after the last of its input nodes, with example_value meta.
@@ -296,9 +333,13 @@ def insert_call(graph: torch.fx.Graph, fn: Callable, args: Sequence, kwargs: dic
     last = max(inputs, key=lambda n: order[n]) if inputs else None
     if last is None or last.op == "placeholder":
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        anchor_ctx = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before()
-    else:
-        anchor_ctx = graph.inserting_after(last)
+        last = placeholders[-1] if placeholders else None
+    regions = state_regions(graph) if like is not None else None
+    if regions is not None and last is not None and regions[last] < regions[like]:
+        # inputs from before a no_grad / autocast change: the call goes after the change, into like's state
+        last = max((n for n in graph.nodes if _changes_state(n) and regions[n] <= regions[like]),
+                   key=lambda n: order[n])
+    anchor_ctx = graph.inserting_after(last) if last is not None else graph.inserting_before()
     with anchor_ctx:
         node = graph.call_function(fn, tuple(args), kwargs)
     if like is not None:

@@ -46,6 +46,7 @@ from fx_passes._match import (
     is_number,
     norm_dim,
     op_name,
+    state_crossing,
     tensor_meta,
     val,
 )
@@ -1367,6 +1368,9 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
             f"scores {list(scores_shape)} are not (batch..., Sq, Sk) of q {list(q_shape)}, k {list(k_shape)}"
         )
     layout = _Layout(cand, scores_shape, _shape(probs), k_shape, v_shape)
+    crossing = state_crossing([*cand.chain, softmax, probs])
+    if crossing:
+        raise _Skip(crossing)
 
     # GQA: pass k/v un-repeated when both were repeated alike.
     k_node, v_node = cand.k, cand.v

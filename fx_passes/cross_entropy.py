@@ -67,6 +67,7 @@ from fx_passes._match import (
     is_op,
     linear_operands,
     op_name,
+    state_crossing,
     tensor_meta,
     val,
     written_before_end,
@@ -353,6 +354,11 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
             graph.erase_node(bias)
         raise
 
+    crossing = state_crossing([logits_node, ce])
+    if crossing:
+        if added_bias is not None:
+            graph.erase_node(bias)
+        raise _Miss(f"{variant}: {crossing}")
     fused = insert_call(graph, fn, op_args, kwargs, like=ce)
     loss, logits = insert_getitem(graph, fused, 0), insert_getitem(graph, fused, 1)
     ce.replace_all_uses_with(loss)

@@ -70,6 +70,7 @@ from fx_passes._match import (
     is_op,
     linear_operands,
     op_name,
+    state_crossing,
     tensor_meta,
     written_before_end,
 )
@@ -406,6 +407,9 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
+    crossing = state_crossing([linear, h, end, *region, *(a for a, _ in added)])
+    if crossing:
+        raise _Miss(f"{variant}: {crossing}")
     # Autocast: the Linear (F.linear, addmm, a matmul) computes in another dtype than its operands, which it
     # casts, its own bias included (eager refuses mixed dtypes otherwise). A bias added after it
     # (x @ w.t() + b, lin(x) + b2) is not cast: an fp32 one promotes the Linear's output to fp32, and the GELU

@@ -79,6 +79,7 @@ from fx_passes._match import (
     is_op,
     norm_dim,
     op_name,
+    state_crossing,
     tensor_meta,
     val,
     written_before_end,
@@ -948,6 +949,9 @@ def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
 def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
     """(args, kwargs, return_residual) for one way of calling the op, or _Miss if its result differs."""
     pattern = core.inner | {core.out} | set(core.upcasts) | {n for _, n, _ in core.tail} | set(inputs.folded)
+    crossing = state_crossing(pattern | {end})
+    if crossing:
+        raise _Miss(crossing)
     h = inputs.h
     return_residual = h is not None and any(u not in pattern for u in h.users)
     args = (inputs.x, inputs.residual, core.weight, core.bias)

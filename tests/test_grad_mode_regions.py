@@ -1,0 +1,123 @@
+"""Rewrites inside ``torch.no_grad()`` / ``enable_grad()`` regions of a compiled forward.
+
+Dynamo records such a region as grad-mode nodes in the graph. A fused call used to be inserted right after its
+inputs, so a pattern inside ``with torch.no_grad():`` whose inputs came from before it ran with grad
+enabled: its parameters got gradients eager never gives (fx_passes/_match.py: state_regions). The call now
+runs in the state of the nodes it replaces, and a pattern that a region boundary cuts is left alone and
+reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import flash_backend
+
+C = 32
+
+
+def _compare(model, *inputs, no_grad_call=False):
+    """Outputs, input and parameter gradients of model compiled with backend="flash" against eager."""
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="flash")
+    results = []
+    for m, fn in ((model, model), (compiled_model, compiled)):
+        xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.set_grad_enabled(not no_grad_call):
+            out = fn(*xs)
+        if out.requires_grad:
+            out.square().sum().backward()
+        grads = [t.grad for t in xs] + [p.grad for p in m.parameters()]
+        results.append((out.detach(), out.requires_grad, grads))
+    (e_out, e_req, e_grads), (g_out, g_req, g_grads) = results
+    assert g_req == e_req
+    torch.testing.assert_close(g_out, e_out, atol=1e-5, rtol=1e-5)
+    for (name, _), e, g in zip([("input", None)] * len(inputs) + list(model.named_parameters()), e_grads,
+                               g_grads, strict=True):
+        assert (e is None) == (g is None), name  # no gradient where eager has none
+        if e is not None:
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+class NoGradTargets(nn.Module):
+    """A LayerNorm and a Linear + GELU inside no_grad, fed by a Linear outside it (a target network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln, self.fc = nn.Linear(C, C), nn.LayerNorm(C), nn.Linear(C, 2 * C)
+        nn.init.normal_(self.ln.weight)
+        nn.init.normal_(self.ln.bias)
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            t = self.ln(y)
+            u = F.gelu(self.fc(y))
+        return (y - t).square() + u[..., :C] * y
+
+
+def test_patterns_inside_no_grad_get_no_gradients():
+    torch.manual_seed(0)
+    counters.clear()
+    _compare(NoGradTargets(), torch.randn(2, 9, C, requires_grad=True))
+    assert counters["flash"]["norm"] == 1 and counters["flash"]["dense"] == 1, dict(counters["flash"])
+
+
+def test_attention_inside_no_grad_gets_no_gradients():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.q(x)
+            with torch.no_grad():
+                a = (q @ x.transpose(-1, -2) / math.sqrt(8)).softmax(-1) @ x
+            return q * a
+
+    torch.manual_seed(0)
+    counters.clear()
+    _compare(Model(), torch.randn(2, 3, 9, 8, requires_grad=True))
+    assert counters["flash"]["attention"] == 1, dict(counters["flash"])
+
+
+def test_enable_grad_inside_a_call_under_no_grad():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(C), nn.Linear(C, 2 * C)
+
+        def forward(self, x):
+            with torch.enable_grad():
+                return F.gelu(self.fc(self.ln(x)))
+
+    torch.manual_seed(0)
+    _compare(Model(), torch.randn(2, 9, C), no_grad_call=True)
+
+
+def test_pattern_cut_by_a_region_boundary_is_a_near_miss():
+    """The residual sum is computed with grad and also used after the region; the norm of it under no_grad.
+    One fused call would compute the sum under no_grad too: left alone, reported."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(C)
+
+        def forward(self, x, r):
+            h = x + r
+            with torch.no_grad():
+                t = self.ln(h)
+            return h * t
+
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 9, C, requires_grad=True), torch.randn(2, 9, C, requires_grad=True)
+    _compare(Model(), x, r)
+    report = flash_backend.explain(Model(), x, r, print_report=False)
+    assert any("no_grad" in d.detail for d in report.near_misses), str(report)
