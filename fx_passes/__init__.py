@@ -43,9 +43,13 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     """Apply every fusion family (or only those named) to graph, in place."""
     import flash_backend.ops  # noqa: F401  (the replacements call torch.ops.flash.*)
 
-    for module in family_modules():
-        if families is None or module.FAMILY in families:
-            module.rewrite(graph)
+    # The passes evaluate a few things on real tensors (constants, GELU regions on a grid). Under no_grad
+    # those record nothing: a first call inside torch.utils.checkpoint compiles in the checkpoint's
+    # saved-tensor hooks, which count every tensor saved (more than the recomputation saves: CheckpointError).
+    with torch.no_grad():
+        for module in family_modules():
+            if families is None or module.FAMILY in families:
+                module.rewrite(graph)
     stable_topological_sort(graph)
     graph.lint()
     if graph.owning_module is not None:

@@ -121,3 +121,37 @@ def test_pattern_cut_by_a_region_boundary_is_a_near_miss():
     _compare(Model(), x, r)
     report = flash_backend.explain(Model(), x, r, print_report=False)
     assert any("no_grad" in d.detail for d in report.near_misses), str(report)
+
+
+def test_first_call_inside_activation_checkpointing():
+    """The first call of a compiled module inside torch.utils.checkpoint compiles under the checkpoint's
+    saved-tensor hooks. The passes evaluate a few things on real tensors; with grad enabled those were
+    saved too, so the recomputation saved fewer tensors than the forward: CheckpointError. They run under
+    no_grad now (fx_passes.run_passes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(C), nn.Linear(C, 2 * C)
+
+        def forward(self, x):
+            return F.gelu(self.fc(self.ln(x)))
+
+    torch.manual_seed(0)
+    model = Block()
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="flash")
+    x = torch.randn(2, 9, C, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    counters.clear()
+    expected = checkpoint(model, x, use_reentrant=False)
+    got = checkpoint(compiled, x2, use_reentrant=False)
+    weights = torch.randn_like(expected)
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    assert counters["flash"]["norm"] == 1 and counters["flash"]["dense"] == 1, dict(counters["flash"])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x2.grad, x.grad, atol=1e-4, rtol=1e-4)
+    for p, q in zip(model.parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4)
