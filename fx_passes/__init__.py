@@ -46,6 +46,8 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     # The passes evaluate a few things on real tensors (constants, GELU regions on a grid). Under no_grad
     # those record nothing: a first call inside torch.utils.checkpoint compiles in the checkpoint's
     # saved-tensor hooks, which count every tensor saved (more than the recomputation saves: CheckpointError).
+    # The grad mode the graph was traced in (dynamo guards on it) is its entry state (_match.state_regions).
+    graph._flash_entry_grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         for module in family_modules():
             if families is None or module.FAMILY in families:

@@ -293,27 +293,51 @@ def _changes_state(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", None) in _STATE_CHANGES
 
 
-def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int] | None:
-    """For each node, how many grad-mode / autocast changes precede it (nodes with the same number run in
-    the same state); None for a graph without such changes, the common case."""
+def _state_args(node: torch.fx.Node) -> tuple:
+    """The constant arguments of a state change (a context node stands for itself)."""
+    return tuple(a if isinstance(a, (bool, int, float, str, type(None), torch.dtype)) else id(a)
+                 for a in node.args)
+
+
+def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[int, int]] | None:
+    """For each node, (segment, state): how many grad-mode / autocast changes precede it, and a number for
+    the state it runs in (grad mode and the stack of open autocast / inference_mode contexts; nodes with the
+    same number run in the same state, e.g. on both sides of a rotary embedding's autocast(enabled=False)
+    block). None for a graph without such changes, the common case.
+
+    The grad mode on entry is the one run_passes was called in (dynamo guards on it; it compiles one graph
+    per grad mode), so ``_set_grad_enabled(True)`` closing a no_grad block returns to the entry state."""
     has = getattr(graph, "_flash_has_state_changes", None)
     if has is None:  # the passes never add or remove these nodes: looked for once per graph
         has = graph._flash_has_state_changes = any(_changes_state(n) for n in graph.nodes)
     if not has:
         return None
-    regions, count = {}, 0
+    grad = getattr(graph, "_flash_entry_grad_enabled", "entry")
+    contexts: list[tuple[torch.fx.Node, tuple]] = []
+    states: dict[tuple, int] = {}
+    regions, segment = {}, 0
     for n in graph.nodes:
-        count += _changes_state(n)
-        regions[n] = count
+        if _changes_state(n):
+            segment += 1
+            name = n.target.__name__
+            if name.endswith("set_grad_enabled"):
+                grad = n.args[0] if n.args and isinstance(n.args[0], bool) else ("unknown", n)
+            elif name.startswith("_enter_"):
+                contexts.append((n, (name, *_state_args(n))))
+            else:  # _exit_*: closes the context its argument entered
+                entered = n.args[0] if n.args else None
+                contexts = [c for c in contexts if c[0] is not entered]
+        key = (grad, tuple(c[1] for c in contexts))
+        regions[n] = (segment, states.setdefault(key, len(states)))
     return regions
 
 
 def state_crossing(nodes: Iterable[torch.fx.Node]) -> str | None:
-    """Why a fused call cannot replace `nodes` (a grad-mode / autocast change lies between them, so they
-    do not all run in one state), or None."""
+    """Why a fused call cannot replace `nodes` (they do not all run in one grad-mode / autocast state), or
+    None."""
     nodes = [n for n in nodes if isinstance(n, torch.fx.Node)]
     regions = state_regions(nodes[0].graph) if nodes else None
-    if regions is None or len({regions[n] for n in nodes}) <= 1:
+    if regions is None or len({regions[n][1] for n in nodes}) <= 1:
         return None
     return ("a torch.no_grad() / enable_grad() / set_grad_enabled / autocast region begins or ends inside "
             "the pattern: one fused call would run it all in one state")
@@ -335,9 +359,10 @@ def insert_call(graph: torch.fx.Graph, fn: Callable, args: Sequence, kwargs: dic
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         last = placeholders[-1] if placeholders else None
     regions = state_regions(graph) if like is not None else None
-    if regions is not None and last is not None and regions[last] < regions[like]:
-        # inputs from before a no_grad / autocast change: the call goes after the change, into like's state
-        last = max((n for n in graph.nodes if _changes_state(n) and regions[n] <= regions[like]),
+    if regions is not None and last is not None and regions[last][1] != regions[like][1]:
+        # inputs from before a no_grad / autocast change: the call goes after the last change before like,
+        # into like's state (such a change lies between them, so that is still after every input)
+        last = max((n for n in graph.nodes if _changes_state(n) and order[n] < order[like]),
                    key=lambda n: order[n])
     anchor_ctx = graph.inserting_after(last) if last is not None else graph.inserting_before()
     with anchor_ctx:

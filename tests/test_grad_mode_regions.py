@@ -155,3 +155,52 @@ def test_first_call_inside_activation_checkpointing():
     torch.testing.assert_close(x2.grad, x.grad, atol=1e-4, rtol=1e-4)
     for p, q in zip(model.parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4)
+
+
+class SpansABlock(nn.Module):
+    """Dropout + residual + LayerNorm whose dropout runs before a block in another state and whose norm runs
+    after it, back in the entry state: transformers' decoders compute the rotary embedding between the
+    embedding dropout and the first norm, under ``@torch.no_grad()`` and ``autocast(enabled=False)``."""
+
+    def __init__(self, block: str):
+        super().__init__()
+        self.block = block
+        self.ln, self.lin = nn.LayerNorm(C), nn.Linear(C, C)
+        nn.init.normal_(self.ln.weight)
+
+    def forward(self, x, r):
+        h = F.dropout(x, 0.0, self.training) + r
+        if self.block == "no_grad":
+            with torch.no_grad():
+                side = self.lin(r).cos()
+        elif self.block == "enable_grad":
+            with torch.enable_grad():
+                side = self.lin(r).cos()
+        else:
+            with torch.autocast(r.device.type, enabled=False):
+                side = self.lin(r).cos()
+        return self.ln(h) * side
+
+
+def test_pattern_around_a_block_in_another_state_is_rewritten():
+    """Both ends of the pattern run in the same state (the block between them is closed): the same function,
+    so it is rewritten; it used to be reported as cut by a region boundary."""
+    for block in ("no_grad", "autocast"):
+        torch.manual_seed(0)
+        x, r = torch.randn(2, 9, C, requires_grad=True), torch.randn(2, 9, C, requires_grad=True)
+        counters.clear()
+        _compare(SpansABlock(block), x, r)
+        assert counters["flash"]["norm"] == 1, (block, dict(counters["flash"]))
+        report = flash_backend.explain(SpansABlock(block), x, r, print_report=False)
+        assert not report.near_misses, str(report)
+
+
+def test_pattern_around_a_block_traced_under_no_grad():
+    """Called under no_grad, an enable_grad block is ``_set_grad_enabled(True)`` ... ``(False)``: the closing
+    one restores the entry state (the grad mode the graph was traced in; dynamo compiles one graph per grad
+    mode), so the pattern around it is rewritten too."""
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 9, C), torch.randn(2, 9, C)
+    counters.clear()
+    _compare(SpansABlock("enable_grad"), x, r, no_grad_call=True)
+    assert counters["flash"]["norm"] == 1, dict(counters["flash"])
