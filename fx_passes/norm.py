@@ -25,7 +25,8 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   only for the example), and so is a float16 sum (it overflows past 65504 where the mean does not). A
   statistic reduced without keepdim may also get its last dim back on a ``var`` / ``std`` call itself
   (``x.var(-1, unbiased=False)[..., None]``) or after its root (``rsqrt(x.pow(2).mean(-1) + eps)[..., None]``,
-  ``.unsqueeze(-1)``, ``[:, :, None]``): the same values as keepdim=True;
+  ``.unsqueeze(-1)``, ``[:, :, None]``), and so may both outputs of ``var_mean`` / ``std_mean``: the same
+  values as keepdim=True;
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
   ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
   multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
@@ -655,14 +656,30 @@ def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
     if set(items) != {0, 1} or len(vm.users) != 2 or not vm.args:
         return None
     stat, mean, x = items[0], items[1], vm.args[0]
+    inner = {vm, stat, mean}
+    # Reduced without keepdim, both statistics may get the dim back (``mean[..., None]``, ``var[..., None]``
+    # or ``rsqrt(var + eps)[..., None]``): the same values as keepdim=True. Only one of them given back
+    # broadcasts differently, which _layer_core reports.
+    mean_back = None if arg(vm, 3, "keepdim", False) else _given_back(mean)
+    if mean_back is not None:
+        inner.add(mean_back)
+        mean = mean_back
     subs = [u for u in mean.users
             if binary_operands(u, "sub") and u.args[1] is mean and _same_value(u.args[0], x)]
     if not subs:
         return None
-    chain = _stat_chain(stat, is_op(vm, "std_mean"))
+    is_std = is_op(vm, "std_mean")
+    stat_back = None if mean_back is None else _given_back(stat)
+    if stat_back is not None:
+        inner.add(stat_back)
+        chain = _stat_chain(stat_back, is_std)
+    else:
+        chain, given = _chain_given_back(_stat_chain(stat, is_std)) if mean_back is not None else (
+            _stat_chain(stat, is_std), False)
+        stat_back = chain[2] if given else None
     if chain is None:
         return None
-    return _layer_core(x, subs, vm, chain, {vm, stat, mean}, vm)
+    return _layer_core(x, subs, vm, chain, inner, vm, given_back=stat_back is not None)
 
 
 def _stat_chain(stat: torch.fx.Node | _Mean, is_std: bool):

@@ -426,6 +426,18 @@ GIVEN_BACK = {
     "ln_std_then_index_none": (
         lambda m, x: (x - x.mean(-1, keepdim=True)) / x.std(-1, correction=0)[..., None],
         "hand-written LayerNorm"),
+    "ln_var_mean_index_none": (
+        lambda m, x: (lambda var, mean: (x - mean[..., None]) * torch.rsqrt(var[..., None] + EPS) * m.weight
+                      + m.bias)(*torch.var_mean(x, -1, unbiased=False)),
+        "hand-written LayerNorm + weight + bias"),
+    "ln_var_mean_rsqrt_then_unsqueeze": (
+        lambda m, x: (lambda var, mean: (x - mean.unsqueeze(-1)) * torch.rsqrt(var + EPS).unsqueeze(-1))(
+            *torch.var_mean(x, dim=-1, correction=0)),
+        "hand-written LayerNorm"),
+    "ln_std_mean_index_none": (
+        lambda m, x: (lambda std, mean: (x - mean[:, :, None]) / std[..., None])(
+            *torch.std_mean(x, -1, unbiased=False)),
+        "hand-written LayerNorm"),
 }
 
 
@@ -445,6 +457,19 @@ def test_statistic_dim_given_back_later_is_rewritten(name):
 ], ids=["another_dim", "unbiased", "eps_after_sqrt"])
 def test_near_miss_statistic_given_back_but_another_function(fn, reason):
     _check_near_miss(Fn(fn), (_x(3, 5, N),), reason)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    # var_mean without keepdim, only the mean given back: on a square x the (N,) variance broadcasts along
+    # the rows, scaling columns
+    (lambda m, x: (lambda var, mean: (x - mean[..., None]) * torch.rsqrt(var + EPS))(
+        *torch.var_mean(x, -1, unbiased=False)), "keepdim"),
+    # both given back, but the variance unbiased
+    (lambda m, x: (lambda var, mean: (x - mean[..., None]) * torch.rsqrt(var[..., None] + EPS))(
+        *torch.var_mean(x, -1)), "unbiased"),
+], ids=["var_not_given_back", "unbiased"])
+def test_near_miss_var_mean_given_back_but_another_function(fn, reason):
+    _check_near_miss(Fn(fn), (_x(N, N),), reason)
 
 
 def test_near_miss_sum_intermediate_with_other_users():
