@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.fx
 
 from fx_passes._compat import CustomGraphPass, get_hash_for_files, stable_topological_sort
+from fx_passes._functionalize import functionalize_in_place
 from fx_passes._report import Report, collecting  # noqa: F401  (re-exported)
 
 log = logging.getLogger("flash_backend")
@@ -49,6 +50,7 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     # The grad mode the graph was traced in (dynamo guards on it) is its entry state (_match.state_regions).
     graph._flash_entry_grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
+        functionalize_in_place(graph)
         for module in family_modules():
             if families is None or module.FAMILY in families:
                 module.rewrite(graph)

@@ -36,10 +36,10 @@ import torch.fx
 from torch.fx import Graph, Node
 
 from flash_backend import config as flash_config
+from fx_passes._functionalize import IN_PLACE_OPERATORS, functionalize_in_place
 from fx_passes._match import (
     arg,
     bound_arguments,
-    fake_call,
     in_place_writers,
     insert_call,
     is_in_place,
@@ -453,7 +453,7 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     name = op_name(node)
     if name in _SCORE_MATMULS:
         return True
-    if name in _RESHAPES or node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+    if name in _RESHAPES or node.op == "call_function" and node.target in IN_PLACE_OPERATORS:
         # an augmented assignment left in place (on a view) is reported by the walk, not ignored
         return _reaches_matmul(node.args[0], depth - 1, seen)
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
@@ -887,7 +887,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             cand.masks.stages[cond] = _shape(scores)
             consumer, x = x, scores
             continue
-        if x.op == "call_function" and x.target in _INPLACE_OPERATORS:
+        if x.op == "call_function" and x.target in IN_PLACE_OPERATORS:
             raise _Skip(f"'{x.name}' updates the scores in place ({x.target.__name__}) on a view or a tensor "
                         "read elsewhere; only in-place updates of a freshly computed tensor are taken")
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
@@ -1665,57 +1665,8 @@ def _rewrite_mha(graph: Graph, node: Node):
     record_rewrite(FAMILY, "nn.MultiheadAttention (F.multi_head_attention_forward)", "flash_attention", out)
 
 
-_INPLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add", "sub_": "sub"}
-# `scores += mask`, `q *= scaling` (fairseq): dynamo records augmented assignment as operator.iadd & co.
-_INPLACE_OPERATORS = {
-    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
-}
-_FRESH = _MATMULS + ("baddbmm", "linear", "mul", "div", "add", "sub", "masked_fill", "where")
-
-
-def _functionalize_inplace(graph: Graph) -> None:
-    """`scores.masked_fill_(m, -inf)` / `scores += mask` -> `scores = scores.masked_fill(m, -inf)` / `+ mask`.
-
-    Only on tensors a non-view op just produced, so that no alias observes the mutation; every later
-    reader of the mutated tensor reads the functional result instead. An in-place op keeps its tensor's
-    dtype where the functional one may promote (bf16 scores += an fp32 mask): those are left alone.
-    """
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        if node.op == "call_method" and node.target in _INPLACE:
-            name = _INPLACE[node.target]
-        elif node.op == "call_function" and node.target in _INPLACE_OPERATORS and not node.kwargs:
-            name = _INPLACE_OPERATORS[node.target]
-        else:
-            continue
-        if not isinstance(node.args[0], Node) or tensor_meta(node.args[0]) is None:
-            continue
-        base = node.args[0]
-        # A reader placed before the mutation could be a view that sees it: leave those graphs alone.
-        if op_name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
-            continue
-        try:
-            result = fake_call(getattr(torch.Tensor, name), node.args, node.kwargs)
-        except Exception:  # noqa: BLE001 - not computable on the fake values: leave it
-            continue
-        before = tensor_meta(base)
-        if not isinstance(result, torch.Tensor) or result.dtype != before.dtype or not _same_dims(
-            tuple(result.shape), tuple(before.shape)
-        ):
-            continue
-        with graph.inserting_after(node):
-            functional = graph.call_method(name, node.args, node.kwargs)
-        functional.meta.update(node.meta)
-        for user in list(base.users):
-            if user is not node and user is not functional and order.get(user, -1) > order[node]:
-                user.replace_input_with(base, functional)
-        node.replace_all_uses_with(functional)
-        graph.erase_node(node)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-
-
 def rewrite(graph: torch.fx.Graph) -> None:
-    _functionalize_inplace(graph)
+    functionalize_in_place(graph)  # run_passes did it already; again when the family runs alone
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
             continue

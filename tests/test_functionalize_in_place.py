@@ -1,0 +1,167 @@
+"""In-place writes on fresh tensors made functional before the families run (fx_passes/_functionalize.py).
+
+``h = r.clone(); h.add_(x)`` and ``h = fc(x); h += r`` are residual sums written in place; made functional,
+the norm after them fuses with them. Where the write could be observed (a view read before it), would
+change a dtype, or where dropping the clone would read a value written later, the graph keeps its write
+and the result is eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import flash_backend
+from fx_passes._functionalize import functionalize_in_place
+
+C = 24
+
+
+def _compare(model, *inputs, atol=1e-5):
+    """Outputs and gradients of model under backend="flash" against eager."""
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="flash")
+    results = []
+    for m, fn in ((model, model), (compiled_model, compiled)):
+        xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        outs = fn(*xs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        weights = [torch.linspace(-1, 1, o.numel()).view_as(o).to(o.dtype) for o in outs]
+        sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).float().backward()
+        results.append(([o.detach() for o in outs], [t.grad for t in xs] + [p.grad for p in m.parameters()]))
+    (e_outs, e_grads), (g_outs, g_grads) = results
+    for e, g in zip(e_outs, g_outs, strict=True):
+        assert e.dtype == g.dtype
+        torch.testing.assert_close(g, e, atol=atol, rtol=atol)
+    for e, g in zip(e_grads, g_grads, strict=True):
+        assert (e is None) == (g is None)
+        if e is not None:
+            torch.testing.assert_close(g, e, atol=10 * atol, rtol=10 * atol)
+
+
+class CloneAddInPlace(nn.Module):
+    """A pre-norm residual written in place on a clone of the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(C)
+        nn.init.normal_(self.ln.weight)
+
+    def forward(self, x, r):
+        h = r.clone()
+        h.add_(F.dropout(x, 0.0, self.training))
+        return self.ln(h), h
+
+
+class LinearThenAugmentedAdd(nn.Module):
+    """``h = fc(x); h += r`` (augmented assignment on a Linear's output), then RMSNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(C, C), nn.RMSNorm(C, eps=1e-6)
+
+    def forward(self, x, r):
+        h = self.fc(x)
+        h += r
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("model_cls", [CloneAddInPlace, LinearThenAugmentedAdd])
+@pytest.mark.parametrize("train", [True, False])
+def test_residual_written_in_place_is_fused(model_cls, train):
+    torch.manual_seed(0)
+    model = model_cls().train(train)
+    x, r = torch.randn(3, 7, C, requires_grad=True), torch.randn(3, 7, C, requires_grad=True)
+    counters.clear()
+    _compare(model, x, r)
+    assert counters["flash"]["norm"] == 1, dict(counters["flash"])
+    report = flash_backend.explain(model, x, r, print_report=False)
+    assert "residual add" in str(report) and not report.near_misses, str(report)
+
+
+def _functionalized(fn, *inputs) -> torch.fx.Graph:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        functionalize_in_place(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*inputs)
+    return graphs[0]
+
+
+def _targets(graph) -> list[str]:
+    return [str(n.target) for n in graph.nodes if n.op in ("call_method", "call_function")]
+
+
+def test_clone_add_becomes_one_add():
+    def fn(x, r):
+        h = (r * 2).clone()
+        h.add_(x)
+        return h
+
+    targets = _targets(_functionalized(fn, torch.randn(4, C), torch.randn(4, C)))
+    assert "add_" not in targets and "clone" not in targets, targets
+
+
+def test_view_read_before_the_write_keeps_it():
+    """v = h[0] is a view: it sees the add_, so the write must stay in place."""
+
+    def fn(x, r):
+        h = (r * 2).clone()
+        v = h[0]
+        h.add_(x)
+        return F.layer_norm(h, (C,)), v * 3
+
+    x, r = torch.randn(4, C), torch.randn(4, C)
+    assert "add_" in _targets(_functionalized(fn, x, r))
+    expected = fn(x, r)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flash")(x, r)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_source_written_after_the_clone_keeps_the_clone():
+    """The clone holds r's value from before r.mul_(2): reading r at the add instead would see the write."""
+
+    def fn(x, a):
+        r = a + 1
+        h = r.clone()
+        r.mul_(2)
+        h.add_(x)
+        return F.layer_norm(h, (C,)), r
+
+    x, a = torch.randn(4, C), torch.randn(4, C)
+    assert "clone" in _targets(_functionalized(fn, x, a))
+    expected = fn(x, a)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flash")(x, a)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_in_place_add_that_would_promote_stays():
+    """bf16 h += fp32 x stays bf16; h + x would be fp32: not the same function, left in place."""
+
+    def fn(x, r):
+        h = (r * 2).clone()
+        h += x
+        return F.layer_norm(h, (C,))
+
+    x, r = torch.randn(4, C), torch.randn(4, C, dtype=torch.bfloat16)
+    assert "iadd" in " ".join(_targets(_functionalized(fn, x, r)))
+    expected = fn(x, r)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flash")(x, r)
+    assert got.dtype == expected.dtype == torch.bfloat16  # fp32 if the sum had been made functional
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 rounding of the normalised rows
