@@ -1117,13 +1117,19 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _unrepeat(node: Node) -> tuple[Node, int]:
+def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
+    """(k before its heads were repeated, the repeat count) for a 4-d k whose heads are dim head_dim
+    (1 in (B, H, S, D); 2 in transformers' (B, S, H, D), permuted for the op): ``repeat_interleave`` over
+    the heads, or Llama's ``repeat_kv`` (unsqueeze + expand + reshape, (B, H, S, D) only); else (node, 1)."""
     name = op_name(node)
     if name == "repeat_interleave":
         repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
         shape = _shape(node)
-        if isinstance(repeats, int) and shape is not None and len(shape) == 4 and dim in (1, -3):
+        if isinstance(repeats, int) and shape is not None and len(shape) == 4 and isinstance(dim, int) \
+                and norm_dim(dim, 4) == head_dim and len(node.kwargs.keys() - {"repeats", "dim"}) == 0:
             return node.args[0], repeats
+        return node, 1
+    if head_dim != 1:
         return node, 1
     if name in ("reshape", "view") and isinstance(node.args[0], Node):
         expanded = node.args[0]
@@ -1379,14 +1385,16 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         cand.batch_dims == 2
         and not layout.convert_qk
         and not layout.convert_pv
-        and cand.k_perm in (None, [0, 1, 2, 3])
-        and cand.v_perm in (None, [0, 1, 2, 3])
+        and (cand.k_perm or [0, 1, 2, 3])[0] == 0
+        and (cand.v_perm or [0, 1, 2, 3])[0] == 0
     ):
-        k_base, nk = _unrepeat(cand.k)
-        v_base, nv = _unrepeat(cand.v)
+        # the heads are dim perm[1] of k / v as given (the op's (B, H, S, D) is k.permute(perm))
+        k_base, nk = _unrepeat(cand.k, (cand.k_perm or [0, 1, 2, 3])[1])
+        v_base, nv = _unrepeat(cand.v, (cand.v_perm or [0, 1, 2, 3])[1])
         if nk == nv and nk > 1:
             k_node, v_node, enable_gqa = k_base, v_base, True
-            k_shape, v_shape = _shape(k_base), _shape(v_base)
+            k_shape, v_shape = (tuple(_shape(base)[p] for p in perm) if perm else _shape(base)
+                                for base, perm in ((k_base, cand.k_perm), (v_base, cand.v_perm)))
     _check_op_limits(*layout.op_shapes(q_shape, k_shape, v_shape), src)
     for _, factor, stage in cand.q_scales:
         # q·kᵀ's own layout (no view between), and q takes the factor without growing or changing dtype

@@ -203,6 +203,30 @@ def _gqa_repeat_interleave(q, k, v):
     return torch.softmax(q @ k.transpose(2, 3) * 0.25, -1) @ v
 
 
+def _gqa_einsum_bshd_repeat_interleave(q, k, v):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D), as transformers hold them
+    n = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(n, dim=2), v.repeat_interleave(n, dim=-2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).transpose(1, 2)
+
+
+def _gqa_bshd_repeat_interleave_then_transpose(q, k, v):
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, S, Hkv, D)
+    n = q.shape[1] // k.shape[2]
+    k, v = k.repeat_interleave(n, dim=2).transpose(1, 2), v.repeat_interleave(n, dim=2).transpose(1, 2)
+    return torch.softmax(q @ k.transpose(2, 3) * 0.25, -1) @ v
+
+
+def _bshd_repeat_interleave_over_features(q, k, v):
+    # repeating (B, S, H, D) over dim 3 repeats features, not heads (and repeating key positions would be
+    # no test: duplicated keys leave softmax attention unchanged)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2)[..., ::2], v.transpose(1, 2)[..., ::2]
+    k, v = k.repeat_interleave(2, dim=3), v.repeat_interleave(2, dim=-1)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).transpose(1, 2)
+
+
 HAND_WRITTEN = [
     (_matmul_mul, {}),
     (_at_div_sqrt, {}),
@@ -222,6 +246,10 @@ HAND_WRITTEN = [
     (_masked_fill_inplace_large_negative, {"is_causal": True}),
     (_gqa_repeat_kv, {"gqa": True}),
     (_gqa_repeat_interleave, {"gqa": True}),
+    (_gqa_einsum_bshd_repeat_interleave, {"gqa": True}),
+    # the same function, k / v passed repeated (a transpose between the repeat and the op: not looked through)
+    (_gqa_bshd_repeat_interleave_then_transpose, {}),
+    (_bshd_repeat_interleave_over_features, {"all_heads": True}),
 ]
 
 
@@ -233,6 +261,9 @@ def test_hand_written_forms_are_rewritten(fn, expect):
     assert (node.kwargs["attn_mask"] is not None) is expect.get("mask", False)
     if expect.get("gqa"):
         assert node.args[1].meta["example_value"].shape[1] == 2  # the un-repeated k
+        assert node.args[2].meta["example_value"].shape[1] == 2
+    if expect.get("all_heads"):  # not taken for GQA: k / v reach the op with q's heads
+        assert node.args[1].meta["example_value"].shape[1] == q.shape[1]
 
 
 def test_scale_is_folded_exactly():
