@@ -31,7 +31,7 @@ def _compare(model, *inputs, atol=1e-5):
         xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
         outs = fn(*xs)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        weights = [torch.linspace(-1, 1, o.numel()).view_as(o).to(o.dtype) for o in outs]
+        weights = [torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o).to(o.dtype) for o in outs]
         sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).float().backward()
         results.append(([o.detach() for o in outs], [t.grad for t in xs] + [p.grad for p in m.parameters()]))
     (e_outs, e_grads), (g_outs, g_grads) = results
@@ -82,6 +82,17 @@ def test_residual_written_in_place_is_fused(model_cls, train):
     assert counters["flash"]["norm"] == 1, dict(counters["flash"])
     report = flash_backend.explain(model, x, r, print_report=False)
     assert "residual add" in str(report) and not report.near_misses, str(report)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_cls", [CloneAddInPlace, LinearThenAugmentedAdd])
+def test_residual_written_in_place_is_fused_cuda(model_cls):
+    torch.manual_seed(0)
+    model = model_cls().cuda().to(torch.bfloat16)
+    x, r = (torch.randn(3, 7, C, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    counters.clear()
+    _compare(model, x, r, atol=2e-2)
+    assert counters["flash"]["norm"] == 1, dict(counters["flash"])
 
 
 def _functionalized(fn, *inputs) -> torch.fx.Graph:
