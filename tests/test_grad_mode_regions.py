@@ -43,7 +43,10 @@ def _compare(model, *inputs, no_grad_call=False, tol=1e-5):
                                g_grads, strict=True):
         assert (e is None) == (g is None), name  # no gradient where eager has none
         if e is not None:
-            torch.testing.assert_close(g, e, atol=10 * tol, rtol=10 * tol)
+            if tol <= 1e-4:
+                torch.testing.assert_close(g, e, atol=10 * tol, rtol=10 * tol)
+            else:  # bf16: single elements of a weight gradient summed in bf16 differ by its rounding
+                assert ((g.float() - e.float()).norm() / e.float().norm()).item() < tol, name
 
 
 class NoGradTargets(nn.Module):
