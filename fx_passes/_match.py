@@ -360,10 +360,13 @@ def insert_call(graph: torch.fx.Graph, fn: Callable, args: Sequence, kwargs: dic
         last = placeholders[-1] if placeholders else None
     regions = state_regions(graph) if like is not None else None
     if regions is not None and last is not None and regions[last][1] != regions[like][1]:
-        # inputs from before a no_grad / autocast change: the call goes after the last change before like,
-        # into like's state (such a change lies between them, so that is still after every input)
-        last = max((n for n in graph.nodes if _changes_state(n) and order[n] < order[like]),
-                   key=lambda n: order[n])
+        # the last input was computed in another grad-mode / autocast state (before a no_grad block, or
+        # inside one that closed before like): the call goes after the first state change after it that
+        # returns to like's state
+        back = [n for n in graph.nodes if order[n] > order[last] and regions[n][1] == regions[like][1]]
+        if not back:
+            raise ValueError(f"no point after {last.name} runs in {like.name}'s grad-mode / autocast state")
+        last = back[0]
     anchor_ctx = graph.inserting_after(last) if last is not None else graph.inserting_before()
     with anchor_ctx:
         node = graph.call_function(fn, tuple(args), kwargs)

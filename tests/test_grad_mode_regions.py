@@ -101,6 +101,28 @@ def test_attention_inside_no_grad_gets_no_gradients():
     assert counters["flash"]["attention"] == 1, dict(counters["flash"])
 
 
+def test_attention_input_from_a_closed_no_grad_block():
+    """v is computed inside a no_grad block that closes between the softmax and ·v: the fused call goes
+    after the block, back in the softmax's state (it used to look for a state change before the softmax:
+    an internal error, reported as a near miss)."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.v = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            p = (self.q(x) @ x.transpose(-1, -2) / math.sqrt(8)).softmax(-1)
+            with torch.no_grad():
+                v = self.v(x)
+            return p @ v
+
+    torch.manual_seed(0)
+    counters.clear()
+    _compare(Model(), torch.randn(2, 3, 9, 8, requires_grad=True))
+    assert counters["flash"]["attention"] == 1, dict(counters["flash"])
+
+
 def test_enable_grad_inside_a_call_under_no_grad():
     class Model(nn.Module):
         def __init__(self):
