@@ -29,6 +29,15 @@ V = 101  # vocabulary
 PADDED_ROWS_DIFFER = "padded query rows differ"  # see _deberta_v2_mlm
 B, S = 2, 9  # batch, sequence
 TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _grad_tol(want: torch.Tensor) -> dict:
+    """TOL, with the absolute part grown to 16 fp32 ulps of the gradient's largest element: a parameter's
+    gradient is a sum over the batch and the positions, so an element that nearly cancels carries the rounding
+    of the large terms it sums (ViT-MAE's cls_token: elements up to ~1e3, one of 0.08 off by 5e-4 when the
+    fused op sums in another order)."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return dict(atol=max(TOL["atol"], 16 * torch.finfo(torch.float32).eps * scale), rtol=TOL["rtol"])
 TEXT = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -378,7 +387,7 @@ def check(name, impl, training, backend=rewrite_only_backend):
         assert "taken as -inf" in str(report), str(report)
     assert grads.keys() == ref_grads.keys()
     for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], **TOL,
+        torch.testing.assert_close(grads[key], ref_grads[key], **_grad_tol(ref_grads[key]),
                                    msg=lambda m, key=key: f"grad {key}: {m}\n{report}")
     for family, minimum in expected.items():
         assert flash.get(family, 0) >= minimum, f"{family}: {flash}\n{report}"
