@@ -446,31 +446,6 @@ at::Tensor cublaslt_linear_wgrad(const at::Tensor& grad, const at::Tensor& x) {
   return linear_wgrad(grad, x, at::Tensor());
 }
 
-// grad_x = grad @ weight: the input gradient of a Linear, through run_gemm's measured candidates.
-at::Tensor cublaslt_linear_dgrad(const at::Tensor& grad, const at::Tensor& weight) {
-  check_2d(grad, "grad");
-  check_2d(weight, "weight");
-  TORCH_CHECK(grad.size(1) == weight.size(0) && grad.scalar_type() == weight.scalar_type(),
-              "flash dense (cuBLASLt): grad (M, N) and weight (N, K) disagree on N or dtype");
-  const int64_t M = grad.size(0), N = grad.size(1), K = weight.size(1);
-  c10::cuda::CUDAGuard guard(grad.device());
-  if (M == 0 || N == 0) return at::zeros({M, K}, grad.options());
-  at::Tensor grad_x = at::empty({M, K}, grad.options());
-  LtGemm g;
-  // dX^T (K, M) = W^T (K, N) @ grad^T (N, M): A is the row-major weight, B the row-major grad, as stored.
-  g.m = K;
-  g.n = M;
-  g.k = N;
-  g.a = weight.data_ptr();
-  g.lda = K;
-  g.b = grad.data_ptr();
-  g.ldb = N;
-  g.d = grad_x.data_ptr();
-  g.ldd = K;
-  run_gemm(g, grad.scalar_type(), grad.device());
-  return grad_x;
-}
-
 // For a Linear -> tanh-GELU -> Linear chain: the second Linear's input gradient (grad @ weight) times
 // GELU'(pre), and its column sums (the first Linear's bias gradient), all in one GEMM (DGELU_BGRAD).
 // cuBLASLt applies GELU' to the GEMM's own output, so a lone Linear+GELU has no GEMM to hang it on.
@@ -530,7 +505,6 @@ TORCH_LIBRARY_FRAGMENT(flash, m) {
   m.def("cublaslt_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("cublaslt_linear_wgrad_bgrad(Tensor grad, Tensor x) -> (Tensor grad_weight, Tensor grad_bias)");
   m.def("cublaslt_linear_wgrad(Tensor grad, Tensor x) -> Tensor grad_weight");
-  m.def("cublaslt_linear_dgrad(Tensor grad, Tensor weight) -> Tensor grad_x");
   m.def(
       "cublaslt_linear_dgrad_dgelu_bgrad(Tensor grad, Tensor weight, Tensor pre) -> "
       "(Tensor grad_pre, Tensor grad_bias)");
@@ -544,6 +518,5 @@ TORCH_LIBRARY_IMPL(flash, CUDA, m) {
   m.impl("cublaslt_linear", &cublaslt_linear);
   m.impl("cublaslt_linear_wgrad_bgrad", &cublaslt_linear_wgrad_bgrad);
   m.impl("cublaslt_linear_wgrad", &cublaslt_linear_wgrad);
-  m.impl("cublaslt_linear_dgrad", &cublaslt_linear_dgrad);
   m.impl("cublaslt_linear_dgrad_dgelu_bgrad", &cublaslt_linear_dgrad_dgelu_bgrad);
 }

@@ -314,8 +314,7 @@ def test_every_cublaslt_candidate_is_correct(dtype):
 @pytest.mark.parametrize("m", [1001, 0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_weight_gradient_matches_reference(m, dtype):
-    """grad.T @ x, with and without the BGRADB bias gradient, and grad @ weight, against fp32 on random
-    inputs (odd M)."""
+    """grad.T @ x, with and without the BGRADB bias gradient, against fp32 on random inputs (odd M)."""
     dense._extension()
     grad = torch.randn(m, 1064, dtype=dtype, device="cuda")
     x = torch.randn(m, 264, dtype=dtype, device="cuda")
@@ -325,9 +324,6 @@ def test_cuda_weight_gradient_matches_reference(m, dtype):
     grad_weight, grad_bias = torch.ops.flash.cublaslt_linear_wgrad_bgrad(grad, x)
     torch.testing.assert_close(grad_weight.float(), ref, **tol)
     torch.testing.assert_close(grad_bias.float(), grad.float().sum(0), **tol)
-    w = torch.randn(1064, 264, dtype=dtype, device="cuda")
-    grad_x = torch.ops.flash.cublaslt_linear_dgrad(grad, w)
-    torch.testing.assert_close(grad_x.float(), grad.float() @ w.float(), atol=2e-2 * 1064**0.5, rtol=2e-2)
 
 
 @pytest.mark.cuda
@@ -418,7 +414,6 @@ def test_opcheck_cuda(dtype):
     opcheck(torch.ops.flash.cublaslt_linear, (x, w, None))
     opcheck(torch.ops.flash.cublaslt_linear_wgrad_bgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
     opcheck(torch.ops.flash.cublaslt_linear_wgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), x))
-    opcheck(torch.ops.flash.cublaslt_linear_dgrad, (torch.randn(40, 32, dtype=dtype, device="cuda"), w))
 
 
 # --------------------------------------------------------------- the Triton forward (per-problem choice)

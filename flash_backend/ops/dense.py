@@ -30,7 +30,8 @@ fake tensors and the forward is fixed per GELU (`_linear_gelu_cuda` says which a
 cuBLASLt's algorithm is measured too: the first call of a GEMM problem times the heuristic's candidates,
 and configurations of the same kernel family that it does not offer but that an offline search found faster
 (csrc's kExtraConfigs), in interleaved rounds and keeps the fastest (csrc/dense_gelu.cpp;
-`cublaslt_algo_picks()` lists the picks). The backward's two GEMMs go through that too.
+`cublaslt_algo_picks()` lists the picks). The weight gradient goes through that too; the input gradient is
+aten's matmul.
 
 Paths. CUDA, fp16/bf16, K and N multiples of 8 (cuBLASLt's 16-byte alignment): cuBLASLt or Triton as
 measured. Everything else (CPU, fp32, odd K/N, a failed build) runs the reference, which is plain PyTorch.
@@ -203,10 +204,6 @@ def _register_cpp_fakes() -> None:
     @torch.library.register_fake("flash::cublaslt_linear_wgrad")
     def _(grad, x):
         return x.new_empty(grad.shape[1], x.shape[1])
-
-    @torch.library.register_fake("flash::cublaslt_linear_dgrad")
-    def _(grad, weight):
-        return grad.new_empty(grad.shape[0], weight.shape[1])
 
     @torch.library.register_fake("flash::cublaslt_linear_dgrad_dgelu_bgrad")
     def _(grad, weight, pre):
@@ -483,11 +480,9 @@ def dense_gelu_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, pre: Tensor,
         return tuple(g.contiguous() for g in grads)
     grad_pre, grad_bias = gelu_backward_dbias(_as_2d(grad_out), _as_2d(pre), approximate,
                                               launch=traced_launch)
-    # Both GEMMs through csrc, which times cuBLASLt's candidates and kExtraConfigs per problem: its weight
-    # gradient beat aten's `grad_pre.t() @ x` by 2-10 % at bench_dense's shapes, its input gradient aten's
-    # `grad_pre @ weight` by 0-10 % (steady graph replay in one process, interleaved rounds:
-    # bench/logs/dense_gemm_replay_probe_*_h200.log, dense_dgrad_probe_s21_h200.log).
-    grad_x = torch.ops.flash.cublaslt_linear_dgrad(grad_pre, weight.contiguous()).view(x.shape)
+    grad_x = (grad_pre @ weight).view(x.shape)
+    # The weight gradient through csrc, whose candidates (kExtraConfigs) beat aten's `grad_pre.t() @ x` by
+    # 2-10 % at bench_dense's shapes; the input gradient stays aten's (no faster candidate was found).
     return grad_x, torch.ops.flash.cublaslt_linear_wgrad(grad_pre, _as_2d(x)), grad_bias
 
 
