@@ -23,9 +23,10 @@ stored on the model) is specialised, with a guard, once every other check has pa
 
 The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
 ``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
-``torch.special.log_softmax`` and ``z.log_softmax(-1)`` too), with z the chain above, is matched as well:
-ATen's cross_entropy computes exactly that for class-index targets. The log_softmax must be over z's last
-dimension (``-1``, or ``1`` / F.log_softmax's implicit dim on a 2-D z), computed in z's dtype or with
+``torch.special.log_softmax`` and ``z.log_softmax(-1)`` too, these three also with NumPy's ``axis=`` for
+dim), with z the chain above, is matched as well: ATen's cross_entropy computes exactly that for
+class-index targets. The log_softmax must be over z's last dimension (``-1``, or ``1`` / F.log_softmax's
+implicit dim on a 2-D z), computed in z's dtype or with
 ``dtype=torch.float32`` (z cast up first: the upcast above), and its output, possibly reshaped keeping the
 class dimension last (``F.log_softmax(logits, -1).view(-1, V)``), must be read by the nll_loss only: the
 op does not return log-probabilities. nll_loss's ignore_index and reduction mean what cross_entropy's do
@@ -228,8 +229,9 @@ _TAIL_STEPS = _RESHAPES | _CASTS | {"transpose", "permute", "movedim", "swapaxes
                                     "unsqueeze", "getitem", "half", "bfloat16", "double"}
 
 
-def _log_softmax_signature(input, dim, dtype=None):
-    """How torch.log_softmax, torch.special.log_softmax and Tensor.log_softmax (self first) bind."""
+def _log_softmax_signature(input, dim=None, dtype=None, *, axis=None):
+    """How torch.log_softmax, torch.special.log_softmax and Tensor.log_softmax (self first) bind: torch's
+    argument parser takes NumPy's axis= for dim too (F.log_softmax, a Python function, does not)."""
 
 
 def _log_softmax_tail(nll: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -256,6 +258,8 @@ def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]
     if args is None or not isinstance(args["input"], torch.fx.Node):
         raise _Miss(f"cannot read the arguments of the log_softmax {log_softmax.name}")
     z, dim, dtype = args["input"], args["dim"], args["dtype"]
+    if args.get("axis") is not None and dim is None:
+        dim = args["axis"]
     meta = tensor_meta(z)
     if meta is None:
         raise _Miss(f"the input of the log_softmax {log_softmax.name} has no tensor metadata")

@@ -84,9 +84,12 @@ _TRANSCENDENTAL = ("tanh", "erf", "erfc")
 _POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "square", *_TRANSCENDENTAL}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 # Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
-# magnitudes up to 1e8 either side, where a stray term too small to show on [-8, 8] (1e-15 * x**5) grows.
+# magnitudes up to 1e8 either side, where a stray term too small to show on [-8, 8] (1e-15 * x**5) grows;
+# and at 0 itself, which linspace misses by 1.7e-16: a formula dividing by h (``h * h / h``) is NaN there,
+# in eager too (a zero padding row through a bias-free Linear), and equal to the GELU everywhere else.
 _WIDE = torch.logspace(-8.0, 8.0, 161, dtype=torch.float64)
-_GRID = torch.cat([torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64), _WIDE, -_WIDE])
+_GRID = torch.cat([torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64), _WIDE, -_WIDE,
+                   torch.zeros(1, dtype=torch.float64)])
 
 
 class _Miss(Exception):

@@ -17,7 +17,8 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   eps = 0);
 - a mean, wherever one is read (LayerNorm's mean and variance, RMSNorm's mean square), in any spelling
   ``_as_mean`` knows: ``mean`` (method or function, dim ``-1`` / ``[-1]`` / ``(-1,)``, keepdim by name or
-  position), a sum divided by the number of elements it adds, ``x.sum(-1, keepdim=True) / N`` or
+  position, or by NumPy's names ``axis=`` / ``keepdims=``, which torch takes too, here and in every
+  reduction below), a sum divided by the number of elements it adds, ``x.sum(-1, keepdim=True) / N`` or
   ``* (1 / N)``, N a number equal to the static size or the size itself (``x.shape[-1]``, ``x.size(-1)``,
   symbolic under dynamic shapes), and either reduced without keepdim then given the dim back
   (``x.mean(-1).unsqueeze(-1)``, ``[..., None]``). A sum over another count (``/ (N - 1)``, another dim's
@@ -172,9 +173,31 @@ def _square_of(node: object):
     return None
 
 
+# torch's argument parser also takes NumPy's names for these (``x.mean(axis=-1, keepdims=True)``, code ported
+# from NumPy / JAX): the same call, which must be read as such, not as a reduction over dim None.
+_NUMPY_ALIASES = {"dim": "axis", "keepdim": "keepdims"}
+
+
+def _kwarg(node: torch.fx.Node, index: int, name: str, default=None):
+    """arg(node, index, name, default), or the argument given under its NumPy alias (axis=, keepdims=)."""
+    alias = _NUMPY_ALIASES.get(name)
+    if alias is not None and alias in node.kwargs:
+        return node.kwargs[alias]
+    return arg(node, index, name, default)
+
+
+def _unsqueeze_pos(node: torch.fx.Node, of: torch.fx.Node | None = None):
+    """d for ``t.unsqueeze(d)`` / ``torch.unsqueeze(t, dim=d)`` (``axis=d`` too) of t (of, when given), else
+    None."""
+    if not is_op(node, "unsqueeze") or not node.args or len(node.args) + len(node.kwargs) != 2 \
+            or set(node.kwargs) - {"dim", "axis"} or (of is not None and node.args[0] is not of):
+        return None
+    return _kwarg(node, 1, "dim")
+
+
 def _mean_spec(node: torch.fx.Node) -> tuple[object, bool, bool]:
     """(dim, keepdim, has_dtype) of a mean/var-like reduction."""
-    return arg(node, 1, "dim"), bool(arg(node, 2, "keepdim", False)), "dtype" in node.kwargs
+    return _kwarg(node, 1, "dim"), bool(_kwarg(node, 2, "keepdim", False)), "dtype" in node.kwargs
 
 
 def _dims_text(dim) -> str:
@@ -335,8 +358,8 @@ def _given_back(node: torch.fx.Node) -> torch.fx.Node | None:
     if len(node.users) != 1:
         return None
     user = next(iter(node.users))
-    if is_op(user, "unsqueeze") and len(user.args) == 2 and user.args[0] is node and not user.kwargs:
-        pos = user.args[1]
+    if _unsqueeze_pos(user, node) is not None:
+        pos = _unsqueeze_pos(user, node)
     elif _appends_none(user) and user.args[0] is node:
         pos = -1
     else:
@@ -453,8 +476,8 @@ def _appends_none(node: torch.fx.Node) -> bool:
 def _keepdim_restored(node: torch.fx.Node, match) -> _Mean | None:
     """match(node); or, for node = r.unsqueeze(d) / r[..., None], the reduction r = match(r) taken without
     keepdim and given its one reduced dim d back, which is the same as keepdim=True."""
-    if is_op(node, "unsqueeze") and len(node.args) == 2 and not node.kwargs:
-        inner, pos = node.args
+    if _unsqueeze_pos(node) is not None:
+        inner, pos = node.args[0], _unsqueeze_pos(node)
     elif _appends_none(node):
         inner, pos = node.args[0], -1
     else:
@@ -638,7 +661,7 @@ def _variance_chain(stat: torch.fx.Node | _Mean):
     where a statistic reduced without keepdim may get its dim back on itself (``x.var(-1, ..)[..., None]``)
     or after its root (``rsqrt(x.var(-1, ..) + eps)[..., None]``)."""
     is_std = not isinstance(stat, _Mean) and is_op(stat, "std")  # a _Mean is no std
-    keepdim = stat.keepdim if isinstance(stat, _Mean) else bool(arg(stat, 3, "keepdim", False))
+    keepdim = stat.keepdim if isinstance(stat, _Mean) else bool(_kwarg(stat, 3, "keepdim", False))
     if keepdim:
         return _stat_chain(stat, is_std), None
     node = stat.node if isinstance(stat, _Mean) else stat
@@ -660,7 +683,7 @@ def _match_var_mean(vm: torch.fx.Node) -> _Core | None:
     # Reduced without keepdim, both statistics may get the dim back (``mean[..., None]``, ``var[..., None]``
     # or ``rsqrt(var + eps)[..., None]``): the same values as keepdim=True. Only one of them given back
     # broadcasts differently, which _layer_core reports.
-    mean_back = None if arg(vm, 3, "keepdim", False) else _given_back(mean)
+    mean_back = None if _kwarg(vm, 3, "keepdim", False) else _given_back(mean)
     if mean_back is not None:
         inner.add(mean_back)
         mean = mean_back
@@ -697,7 +720,7 @@ def _layer_core(x, subs, reduction, chain, inner: set, anchor, given_back: bool 
     reasons = []
     if reduction is not None:
         what = _REDUCTION_NAMES[op_name(reduction)]
-        dim, keepdim = arg(reduction, 1, "dim"), bool(arg(reduction, 3, "keepdim", False))
+        dim, keepdim = _kwarg(reduction, 1, "dim"), bool(_kwarg(reduction, 3, "keepdim", False))
         _check_last_dim(reduction.args[0], dim, keepdim or given_back, what)
         if not _biased(reduction):
             reasons.append(f"{what} is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
@@ -730,7 +753,7 @@ def _two_norm(node: torch.fx.Node):
         p = arg(node, 1, "ord", None)
     else:
         return None
-    dim, keepdim = arg(node, 2, "dim"), arg(node, 3, "keepdim", False)
+    dim, keepdim = _kwarg(node, 2, "dim"), _kwarg(node, 3, "keepdim", False)
     # "fro" and ord=None over one dim are the 2-norm too
     if p not in (2, "fro", None) or dim is None or "dtype" in node.kwargs or not node.args:
         return None

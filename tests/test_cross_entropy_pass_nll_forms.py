@@ -93,6 +93,27 @@ def test_implicit_dim_of_2d_input_is_the_last():
                (torch.randn(3, 7, K), _labels((3, 7))))
 
 
+@pytest.mark.parametrize("form", ["torch", "method", "special"])
+def test_log_softmax_with_numpy_style_axis(form):
+    # torch's log_softmax (not F.log_softmax, a Python function) takes NumPy's axis= for dim
+    def loss(lg, y):
+        z = _flat(lg)
+        if form == "torch":
+            logp = torch.log_softmax(z, axis=-1)
+        elif form == "method":
+            logp = z.log_softmax(axis=-1)
+        else:
+            logp = torch.special.log_softmax(z, axis=1)
+        return F.nll_loss(logp, y.view(-1))
+
+    _check(Head(loss), (torch.randn(3, 7, K), _labels((3, 7))))
+
+
+def test_log_softmax_with_numpy_style_axis_over_another_dim_is_left_alone():
+    reason = "is over dim 0 of its 2-D input"  # not on the loss's line, which the report quotes
+    _not_rewritten(lambda lg, y: F.nll_loss(torch.log_softmax(_flat(lg), axis=0), y.view(-1)), reason)
+
+
 def test_variant_names_the_chain():
     report = _check(Head(SPELLINGS["upcast then log_softmax"]), (torch.randn(3, 7, K), _labels((3, 7))))
     assert "F.linear -> float -> view -> log_softmax -> F.nll_loss" in str(report), str(report)

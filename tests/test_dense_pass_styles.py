@@ -271,6 +271,21 @@ def test_not_a_gelu(name, fn):
     _check(MLP(Lambda(fn)), rewrites=0)
 
 
+def test_not_a_gelu_only_at_zero():
+    # 0.5 * (h * h / h) * (1 + erf(h / sqrt 2)) is the erf GELU everywhere but at h = 0, where eager's 0 / 0
+    # is NaN (a row of zeros, padding, through a bias-free Linear): another function, left alone. The
+    # formula is compared with F.gelu on a grid that holds 0 itself.
+    m = MLP(Lambda(lambda h: 0.5 * (h * h / h) * (1 + torch.erf(h / math.sqrt(2.0)))), bias=False)
+    x = torch.randn(3, 5, K)
+    x[0, 0] = 0.0
+    counters.clear()
+    with torch.no_grad(), collecting() as report:
+        got, expected = _rewritten(m)(x), m(x)
+    assert counters["flash"]["dense"] == 0, str(report)
+    assert expected[0, 0].isnan().all()
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
 def test_not_a_gelu_when_a_term_reads_the_pre_activation_outside_it():
     # erf_gelu(h) + 1e-15 * h**5: the GELU part is found, but h feeds the extra term too: a near miss
     _check_near_miss(MLP(Lambda(lambda x: erf_gelu(x) + 1e-15 * x**5)), "also feeds")

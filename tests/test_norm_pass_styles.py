@@ -216,6 +216,49 @@ def test_layernorm_under_a_lossy_cast_is_not_folded():
 
 
 # --------------------------------------------------------------------------------------------------------
+# NumPy-style keywords: torch's argument parser takes axis= for dim and keepdims= for keepdim (code ported
+# from NumPy / JAX writes them), the same call as dim= / keepdim=
+# --------------------------------------------------------------------------------------------------------
+
+
+def _numpy_kw(form):
+    def fn(m, x):
+        if form == "mean_var":
+            mu = x.mean(axis=-1, keepdims=True)
+            return (x - mu) / torch.sqrt(x.var(axis=-1, keepdims=True, correction=0) + 1e-5) * m.weight
+        if form == "mean_of_centred_square":
+            mu = torch.mean(x, axis=-1, keepdims=True)
+            return (x - mu) * torch.rsqrt(torch.mean((x - mu) ** 2, axis=-1, keepdims=True) + 1e-5)
+        if form == "var_mean":
+            var, mu = torch.var_mean(x, axis=-1, keepdims=True, correction=0)
+            return (x - mu) * torch.rsqrt(var + 1e-5) * m.weight
+        if form == "rms_mean":
+            return x * torch.rsqrt(x.pow(2).mean(axis=-1, keepdims=True) + EPS) * m.weight
+        if form == "rms_sum_over_n":
+            return x * torch.rsqrt(torch.sum(x * x, axis=-1, keepdims=True) / N + EPS)
+        if form == "rms_unsqueezed_dim_keyword":
+            return x * torch.rsqrt(x.pow(2).mean(-1) + EPS).unsqueeze(dim=-1)
+        if form == "rms_2_norm":
+            return x / (torch.linalg.vector_norm(x, axis=-1, keepdims=True) * N ** -0.5)
+        raise AssertionError(form)
+
+    return Fn(fn, bias=False)
+
+
+@pytest.mark.parametrize("form", ["mean_var", "mean_of_centred_square", "var_mean", "rms_mean",
+                                  "rms_sum_over_n", "rms_unsqueezed_dim_keyword", "rms_2_norm"])
+def test_numpy_style_axis_and_keepdims(form):
+    _check_rewrite(_numpy_kw(form), (_x(2, 3, N),), text="hand-written", atol=1e-4, rtol=1e-4)
+
+
+def test_near_miss_numpy_style_axis_over_another_dim():
+    def fn(m, x):
+        return x * torch.rsqrt(x.pow(2).mean(axis=-2, keepdims=True) + EPS)
+
+    _check_near_miss(Fn(fn), (_x(2, 5, N),), "reduces over dim -2")
+
+
+# --------------------------------------------------------------------------------------------------------
 # Dropout and residual spellings
 # --------------------------------------------------------------------------------------------------------
 
