@@ -48,6 +48,12 @@ dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
 # BERT-base's training step 1.07x -> 1.12x Inductor (e2e.json, 5310b0c).
 cross_entropy_on_cuda: bool = _env_flag("FLASH_BACKEND_CROSS_ENTROPY", True)
 
+# Not a rewrite switch: flash::attention_forward runs the Gluon forward for Hopper where it applies
+# (kernels/attention_fwd_hopper.py: sm_90, head_dim 128, no mask / dropout / window): 1.16-1.21x the Triton
+# forward on the H200 (bench/logs/attention_gluon_probe_h200.log). Off (FLASH_BACKEND_HOPPER_ATTENTION=0):
+# every call takes the Triton forward.
+hopper_attention_forward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION", True)
+
 # Not a rewrite switch: eager calls of flash_attention / add_dropout_norm on plain CUDA tensors skip the
 # dispatcher (flash_backend/ops/_eager.py); off sends every call through the registered torch.ops.flash ops.
 eager_direct_calls: bool = _env_flag("FLASH_BACKEND_EAGER_DIRECT", True)

@@ -40,6 +40,7 @@ import os
 import torch
 from torch.library import triton_op
 
+from flash_backend import config
 from flash_backend._traced_launch import traced_launch
 from flash_backend.ops._eager import direct_call_ok, plain_launch
 from flash_backend.ops._outputs import as_output
@@ -325,9 +326,40 @@ def _kernel_supports(q, k, v, attn_mask) -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _hopper_forward(q, k, v, scale, causal):
+    """out, lse from the Gluon forward for Hopper (kernels/attention_fwd_hopper.py)."""
+    from flash_backend.kernels.attention_fwd_hopper import attention_forward_hopper_launch
+
+    out, lse = _alloc_forward(q, v)
+    attention_forward_hopper_launch(q, k, v, scale, causal, out, lse)
+    return out, lse
+
+
+# The Gluon kernel is not a Triton kernel that wrap_triton can trace, so inside the traced body of
+# flash::attention_forward it is this opaque op: Inductor calls it as it stands (CUDA only; the body routes
+# nothing else to it).
+@torch.library.custom_op("flash::attention_forward_hopper", mutates_args=(), device_types="cuda")
+def attention_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _hopper_forward(q, k, v, scale, causal)
+
+
+@attention_forward_hopper.register_fake
+def _(q, k, v, scale, causal):
+    return _alloc_forward(q, v)
+
+
 def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
                            bottom_right, launch=traced_launch):
     """The body of flash::attention_forward; `launch` is plain_launch on the eager fast path."""
+    if _kernels_enabled(q) and config.hopper_attention_forward:
+        from flash_backend.kernels.attention_fwd_hopper import hopper_forward_supported
+
+        if hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right):
+            causal = window_right == 0
+            if launch is plain_launch:  # the eager fast path: no dispatcher
+                return _hopper_forward(q, k, v, scale, causal)
+            return torch.ops.flash.attention_forward_hopper(q, k, v, scale, causal)
     out, lse = _alloc_forward(q, v)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
         from flash_backend.kernels.attention_fwd import attention_forward_launch

@@ -1,0 +1,331 @@
+"""Attention forward for Hopper (sm_90) in Gluon: FlashAttention-3's structure, for the plain cases.
+
+Why a second forward: our Triton forward (kernels/attention_fwd.py) reaches 0.72-0.89x cuDNN on the H200,
+and what separates it from cuDNN is a structure the Triton compiler does not generate for sm_90 (session 20,
+bench/NOTES_attention.md). Gluon, Triton's explicit-layout language, exposes that structure directly:
+
+- warp specialisation (gl.warp_specialize): a producer warp streams K and V tiles into a STAGES-deep ring of
+  shared memory with TMA, each buffer guarded by a ready and an empty mbarrier, while two consumer
+  warpgroups compute; registers are moved to the consumers (setmaxnreg: 240 each, 24 for the producer);
+- in each consumer (64 query rows, wgmma's M per warpgroup), asynchronous wgmma: S_j = Q K_j^T and
+  O += P_{j-1} V_{j-1} are issued together, the softmax of S_j runs while the P V product still does,
+  and O is rescaled once that product is waited for (FA3's intra-warpgroup overlap);
+- optionally "ping-pong" (FA3's inter-warpgroup schedule): the two consumers issue their wgmmas in turns, so
+  one's softmax overlaps the other's matrix products.
+bench/attention_gluon_probe.py measured it at head_dim 128 (bench/logs/attention_gluon_probe_h200.log):
+0.92-0.98x cuDNN and 1.16-1.21x our Triton forward; at head_dim 64 it was slower than the Triton forward
+(one 128-row CTA per SM is too little work per SM there), so head_dim 64 keeps that kernel.
+
+Scope (`hopper_forward_supported` decides; everything else runs kernels/attention_fwd.py): fp16 / bf16,
+head_dim in HEAD_DIMS, no mask or bias, no dropout, no window, causal only top-left (or bottom-right with
+Sq == Sk, the same thing), q / k / v / out with a contiguous last dim and 16-byte aligned strides (TMA), any
+lengths (rows past a sequence end are zero-filled by TMA loads and clipped by TMA stores), GQA by head
+mapping. It writes the same out and natural-log logsumexp as the Triton forward, so the backward is shared.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:  # Gluon's Hopper API (Triton >= 3.5); without it every call takes the Triton forward
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    GLUON_AVAILABLE = False
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # query rows per consumer warpgroup: wgmma's M for one warpgroup
+CTA_ROWS = 2 * BLOCK_M  # two consumer warpgroups per CTA
+HEAD_DIMS = (128,)  # where the H200 measured it faster than the Triton forward
+MAX_GRID_Y = 65535  # B * H programs along the grid's second axis
+# (BLOCK_N, STAGES, PINGPONG) per head_dim: the fastest of bench/attention_gluon_probe.py's on the H200
+CONFIGS = {128: (128, 2, True)}
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+_MAXNREG = 168  # 65536 registers over 12 warps (2 consumer warpgroups and the producer's)
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                  n_blocks):
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        for j in range(n_blocks):
+            stage = j % STAGES
+            # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
+            empty_phase = ((j // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), empty_phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), empty_phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
+
+    # Gluon's max / sum / zeros / cdiv are Triton's standard-library functions, which TRITON_INTERPRET=1 (how
+    # CI runs the Triton kernels) turns into interpreter objects that Gluon cannot compile; the kernel uses
+    # builtins only, so it compiles under that setting too.
+    @gluon.jit
+    def _max_fn(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _add_fn(a, b):
+        return a + b
+
+    @gluon.jit
+    def _wait_turn(turn_bars, WG: gl.constexpr, k, PINGPONG: gl.constexpr):
+        """Issue point k of consumer 0 waits for consumer 1's point k - 1 (point 0 passes: a fresh mbarrier
+        counts parity 1 as complete); consumer 1's point k waits for consumer 0's point k."""
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(WG), (k & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _masked(s, j, n_blocks, rows, first_row, seq_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                s_layout: gl.constexpr):
+        """Keys past seq_k (last block) and, causal, keys after the query (blocks reaching past the
+        warpgroup's first row) to -inf; other blocks pass unchanged."""
+        needs_mask = j == n_blocks - 1
+        if CAUSAL:
+            needs_mask = needs_mask | ((j + 1) * BLOCK_N > first_row + 1)
+        if needs_mask:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < seq_k, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+            s = gl.where(keep, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tile, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                  v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[3]  # k_bufs: [STAGES, 1, 1, BLOCK_N, HEAD_DIM]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
+        q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+        rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
+        zero_s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+
+        # key block 0: S_0 and its softmax, before the overlapped loop
+        k_smem = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(k_ready.index(0), 0)
+        _wait_turn(turn_bars, WG, 0, PINGPONG)
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _masked(s * qk_scale, 0, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+        m_i = gl.reduce(s, 1, _max_fn)
+        p = gl.exp2(s - gl.expand_dims(m_i, 1))
+        l_i = gl.reduce(p, 1, _add_fn)
+        # P crosses the loop already in the wgmma A-operand layout and dtype: 32 registers a thread instead of
+        # 64 in fp32 (carried in fp32, head_dim 128 spilled 280 bytes)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = gl.full([BLOCK_M, HEAD_DIM], 0.0, gl.float32, o_layout)
+
+        for j in range(1, n_blocks):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            k_smem = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            _wait_turn(turn_bars, WG, j, PINGPONG)
+            s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
+            _pass_turn(turn_bars, WG, PINGPONG)
+            # wgmma groups complete in issue order: one outstanding means S_j is done, P V may still run
+            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            s = _masked(s * qk_scale, j, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+            m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_fn))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.reduce(p, 1, _add_fn)
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+        last = n_blocks - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        v_smem = v_bufs.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM])
+        _wait_turn(turn_bars, WG, n_blocks, PINGPONG)
+        o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+        # Q's tile is free once the last S wgmma was waited for: the output leaves through it (TMA clips the
+        # rows past seq_q)
+        q_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, head, first_row, 0], q_tile)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log, as the Triton forward writes it
+        lse_offsets = (batch * num_heads + head).to(gl.int64) * seq_q + rows
+        gl.store(LSE + lse_offsets, lse, mask=rows < seq_q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer0(q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                   turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        _consumer(0, q_desc, o_desc, q_tiles.index(0), q_bars.index(0), k_bufs, v_bufs, k_ready, k_empty,
+                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                  qk_scale, CAUSAL, PINGPONG)
+
+    @gluon.jit
+    def _consumer1(q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                   turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        _consumer(1, q_desc, o_desc, q_tiles.index(1), q_bars.index(1), k_bufs, v_bufs, k_ready, k_empty,
+                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                  qk_scale, CAUSAL, PINGPONG)
+
+    @gluon.jit
+    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seq_q, seq_k, num_heads, group,
+                                     qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                     PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m  # the longest rows first
+        m0 = pid_m * (2 * BLOCK_M)
+        batch = bh // num_heads
+        head = bh % num_heads
+        if CAUSAL:
+            n_blocks = (gl.minimum(seq_k, m0 + 2 * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+        else:
+            n_blocks = (seq_k + BLOCK_N - 1) // BLOCK_N
+
+        q_tiles = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(turn_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers read every K / V tile
+            mbarrier.init(v_empty.index(i), count=2)
+
+        # The argument tuples are written in the call: a tuple assigned to a variable first turns its
+        # constexprs into tensors. Consumer 0 is the default partition (4 warps), consumer 1 and the producer
+        # are workers.
+        gl.warp_specialize([
+            (_consumer0, (q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                          turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
+                          CAUSAL, PINGPONG)),
+            (_consumer1, (q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                          turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
+                          CAUSAL, PINGPONG)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
+                         head // group, n_blocks)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------- host
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA's layout rules: a contiguous last dim, every other stride and the start 16-byte aligned."""
+    align = 16 // t.element_size()
+    strides_ok = all(s % align == 0 for s in t.stride()[:-1])
+    return t.stride(-1) == 1 and strides_ok and t.storage_offset() % align == 0
+
+
+def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right) -> bool:
+    """Whether the Gluon forward computes this call (else the Triton forward does). Decided from dtypes,
+    shapes and strides only, so a traced graph and its run agree."""
+    if not GLUON_AVAILABLE or q.device.type != "cuda":
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if not _is_sm90(index):
+        return False
+    B, H, Sq, D = q.shape
+    causal = window_right == 0
+    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and D in HEAD_DIMS and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
+            and window_left == -1 and window_right in (-1, 0)
+            and not (causal and bottom_right and Sq != k.shape[2]) and k.shape[2] > 0
+            and B * H <= MAX_GRID_Y and all(_tma_ok(t) for t in (q, k, v)))
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A (B, H, S, D) descriptor of t's own strides, loading [1, 1, block_rows, D] tiles."""
+    block = [1, 1, block_rows, t.shape[-1]]
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None):
+    """Fill out (B, H, Sq, D) and lse (B, H, Sq, contiguous) with the Gluon forward; the caller checked
+    hopper_forward_supported(...) and that out is TMA-compatible. config = (BLOCK_N, STAGES, PINGPONG)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if B * H * Sq == 0:
+        return
+    if not _tma_ok(out) or not lse.is_contiguous():
+        raise ValueError("attention_forward_hopper_launch: out needs TMA-compatible strides and lse to be "
+                         "contiguous (B, H, Sq)")
+    block_n, stages, pingpong = config or CONFIGS[D]
+    grid = (triton.cdiv(Sq, CTA_ROWS), B * H)
+    _attention_fwd_hopper_kernel[grid](
+        _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
+        lse, Sq, Sk, H, H // Hkv, scale * LOG2E, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+        PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
+    )

@@ -1,0 +1,246 @@
+"""The Gluon attention forward for Hopper (flash_backend/kernels/attention_fwd_hopper.py).
+
+CPU: the kernel compiles for sm_90 (Gluon has no interpreter, so compiling is what CI can check of it), and
+which calls flash::attention_forward routes to it (fake CUDA tensors). GPU: its output and logsumexp against
+the fp32 reference on awkward sizes and layouts, every output element written, the routing on real calls,
+gradients through the shared backward, opcheck, torch.compile.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.library import opcheck
+
+import flash_backend  # noqa: F401
+from flash_backend.kernels import attention_fwd_hopper as hopper
+from flash_backend.ops import attention as attention_ops
+from flash_backend.ops.attention import attention_reference, flash_attention
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize(("causal", "dtype", "pingpong"), [(True, "bf16", True), (False, "fp16", False)])
+def test_kernel_compiles_for_sm90(causal, dtype, pingpong):
+    """The warp-specialised kernel lowers to sm_90 machine code with no spills, wgmma and register
+    reallocation in it: what the H200 ran (bench/logs/attention_gluon_probe_h200.log)."""
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    block_n, stages, _ = hopper.CONFIGS[128]
+    signature = {}
+    for name, rows in (("q_desc", hopper.BLOCK_M), ("k_desc", block_n), ("v_desc", block_n),
+                       ("o_desc", hopper.BLOCK_M)):
+        block = [1, 1, rows, 128]
+        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    signature.update(LSE="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32",
+                     STAGES="constexpr", CAUSAL="constexpr", PINGPONG="constexpr", PRODUCER_REGS="constexpr",
+                     CONSUMER_REGS="constexpr")
+    constexprs = dict(STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, PRODUCER_REGS=hopper._PRODUCER_REGS,
+                      CONSUMER_REGS=hopper._CONSUMER_REGS)
+    src = GluonASTSource(fn=hopper._attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": hopper._MAXNREG})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_file = Path(tmp) / "k.ptx"
+        ptx_file.write_text(ptx)
+        command = [str(ptxas), "-v", "-arch=sm_90a", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")]
+        report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report, report
+
+
+def _fake_qkv(B=2, H=4, Hkv=4, Sq=300, Sk=300, D=128, dtype=torch.bfloat16, bshd=False):
+    shape_q, shape_kv = (B, H, Sq, D), (B, Hkv, Sk, D)
+    if bshd:  # transformers' (B, S, H, D) tensors, transposed for the op
+        return (torch.empty(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.empty(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.empty(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2))
+    return tuple(torch.empty(shape, device="cuda", dtype=dtype) for shape in (shape_q, shape_kv, shape_kv))
+
+
+ROUTING = {
+    # name: (tensor kwargs, call kwargs, routed to the Gluon forward)
+    "plain": ({}, {}, True),
+    "causal": ({}, dict(window_right=0), True),
+    "causal_sq_ne_sk_top_left": (dict(Sq=700, Sk=300), dict(window_right=0), True),
+    "causal_bottom_right_square": ({}, dict(window_right=0, bottom_right=True), True),
+    "causal_bottom_right_sq_ne_sk": (dict(Sq=200, Sk=300), dict(window_right=0, bottom_right=True), False),
+    "gqa": (dict(H=8, Hkv=2), {}, True),
+    "bshd_layout": (dict(bshd=True), dict(window_right=0), True),
+    "fp16": (dict(dtype=torch.float16), {}, True),
+    "fp32": (dict(dtype=torch.float32), {}, False),
+    "head_dim_64": (dict(D=64), {}, False),
+    "head_dim_256": (dict(D=256), {}, False),
+    "dropout": ({}, dict(dropout_p=0.1), False),
+    "window": ({}, dict(window_left=64), False),
+    "right_window": ({}, dict(window_right=16), False),
+    "mask": ({}, dict(attn_mask="bool"), False),
+    "no_keys": (dict(Sk=0), {}, False),
+    "too_many_heads_for_the_grid": (dict(B=70000, H=1, Hkv=1, Sq=1, Sk=1), {}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTING))
+def test_routing_to_the_hopper_forward(case, monkeypatch):
+    """hopper_forward_supported takes exactly the calls the kernel computes, from dtypes, shapes and strides
+    (what a traced graph and its run both see); everything else keeps the Triton forward."""
+    tensor_kw, call_kw, routed = ROUTING[case]
+    monkeypatch.setattr(hopper, "_is_sm90", lambda index: True)
+    call = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False) | call_kw
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake_qkv(**tensor_kw)
+        if call["attn_mask"] == "bool":
+            call["attn_mask"] = torch.empty(q.shape[0], 1, q.shape[2], k.shape[2], device="cuda",
+                                            dtype=torch.bool)
+        assert hopper.hopper_forward_supported(q, k, v, **call) is routed
+
+
+def test_routing_needs_tma_strides(monkeypatch):
+    """A last dim that is not contiguous, or a row stride that is not 16-byte aligned, is not TMA's: such
+    inputs stay on the Triton forward (which takes any strides)."""
+    monkeypatch.setattr(hopper, "_is_sm90", lambda index: True)
+    kw = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake_qkv()
+        assert hopper.hopper_forward_supported(q, k, v, **kw)
+        shape = (2, 4, 300, 128)
+        strided_last = torch.empty_strided(shape, (4 * 300 * 256, 300 * 256, 256, 2), device="cuda",
+                                           dtype=torch.bfloat16)
+        assert not hopper.hopper_forward_supported(strided_last, k, v, **kw)
+        odd_rows = torch.empty_strided(shape, (4 * 300 * 131, 300 * 131, 131, 1), device="cuda",
+                                       dtype=torch.bfloat16)
+        assert not hopper.hopper_forward_supported(q, odd_rows, v, **kw)
+        buffer = torch.empty(2 * 4 * 300 * 128 + 8, device="cuda", dtype=torch.bfloat16)
+        offset = buffer.as_strided(shape, (4 * 300 * 128, 300 * 128, 128, 1), 3)
+        assert not hopper.hopper_forward_supported(q, k, offset, **kw)
+        assert hopper.hopper_forward_supported(q, k, buffer.as_strided(shape, v.stride(), 8), **kw)
+
+
+def test_routing_off_on_other_gpus(monkeypatch):
+    monkeypatch.setattr(hopper, "_is_sm90", lambda index: False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake_qkv()
+        assert not hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, -1, False)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+_HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not (_HAS_HOPPER and hopper.GLUON_AVAILABLE),
+                                  reason="needs an sm_90 GPU and Gluon")
+
+CUDA_CASES = {
+    # name: (B, H, Hkv, Sq, Sk, causal, bottom_right, bshd)
+    "square_odd": (2, 4, 4, 1000, 1000, False, False, False),
+    "causal_odd": (2, 4, 4, 1000, 1000, True, False, False),
+    "tiny": (1, 3, 3, 97, 97, True, False, False),
+    "one_row_one_key": (1, 2, 2, 1, 1, False, False, False),
+    "long_q_short_k": (2, 4, 4, 700, 129, False, False, False),
+    "short_q_long_k_causal_top_left": (2, 4, 4, 300, 3000, True, False, False),
+    "long_q_short_k_causal_top_left": (1, 4, 4, 3000, 300, True, False, False),
+    "causal_bottom_right_square": (1, 4, 4, 513, 513, True, True, False),
+    "gqa": (2, 8, 2, 640, 640, True, False, False),
+    "bshd": (2, 4, 4, 777, 777, True, False, True),
+}
+
+
+def _cuda_qkv(B, H, Hkv, Sq, Sk, dtype, bshd):
+    if bshd:
+        return (torch.randn(B, Sq, H, 128, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=dtype).transpose(1, 2))
+    heads_and_lengths = ((H, Sq), (Hkv, Sk), (Hkv, Sk))
+    return tuple(torch.randn(B, h, s, 128, device="cuda", dtype=dtype) for h, s in heads_and_lengths)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_cuda_hopper_forward_matches_reference(case, dtype):
+    """out within 2x PyTorch's own low-precision error of the fp32 reference (plus a floor), logsumexp within
+    fp32 rounding, every element written (outputs poisoned with NaN first)."""
+    B, H, Hkv, Sq, Sk, causal, bottom_right, bshd = CUDA_CASES[case]
+    q, k, v = _cuda_qkv(B, H, Hkv, Sq, Sk, dtype, bshd)
+    window_right = 0 if causal else -1
+    assert hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, window_right, bottom_right)
+    out, lse = attention_ops._alloc_forward(q, v)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    hopper.attention_forward_hopper_launch(q, k, v, 128 ** -0.5, causal, out, lse)
+    args = (None, None, 0.0, None, -1, window_right, bottom_right)
+    ref_out, ref_lse = attention_reference(q, k, v, *args)
+    low_out, _ = attention_reference(q, k, v, *args, upcast=False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err = (out.float() - ref_out.float()).abs().max().item()
+    err_low = (low_out.float() - ref_out.float()).abs().max().item()
+    floor = 2e-3 if dtype == torch.float16 else 1e-2
+    assert err <= 2 * err_low + floor, f"out err {err:.3g} vs torch low precision {err_low:.3g}"
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-5)
+    if bshd:
+        assert out.stride() == q.stride()
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_calls_take_the_hopper_forward_and_gradients_match(monkeypatch):
+    """Eager calls (the direct path) and the registered op both run the Gluon forward on eligible inputs,
+    bitwise the same; the switch turns it off; gradients through the shared backward match the reference."""
+    calls = []
+    original = attention_ops._hopper_forward
+    monkeypatch.setattr(attention_ops, "_hopper_forward", lambda *a: calls.append(1) or original(*a))
+    q, k, v = (t.requires_grad_() for t in _cuda_qkv(2, 8, 2, 1000, 1000, torch.bfloat16, False))
+    out = flash_attention(q, k, v, is_causal=True)
+    assert len(calls) == 1
+    op_out, _ = torch.ops.flash.attention_forward(q.detach(), k.detach(), v.detach(), None, None, 0.0,
+                                                  128 ** -0.5, -1, 0, False)
+    assert len(calls) == 2
+    assert torch.equal(out.detach(), op_out)
+    monkeypatch.setattr(flash_backend.config, "hopper_attention_forward", False)
+    triton_out = flash_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+    assert len(calls) == 2
+    torch.testing.assert_close(triton_out, op_out, atol=2e-2, rtol=0)
+
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    xs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*xs, None, None, 0.0, None, -1, 0, False)
+    ref_grads = torch.autograd.grad(ref, xs, dout.float())
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, f"d{name}: relative error {rel:.3g}"
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_cuda_hopper_opcheck_and_compile():
+    q, k, v = _cuda_qkv(2, 4, 2, 333, 333, torch.bfloat16, False)
+    opcheck(torch.ops.flash.attention_forward_hopper, (q, k, v, 128 ** -0.5, True))
+    opcheck(torch.ops.flash.attention_forward, (q, k, v, None, None, 0.0, 128 ** -0.5, -1, 0, False))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    f = lambda q, k, v: flash_attention(q, k, v, is_causal=True)
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        want = f(*leaves)
+        got = torch.compile(f, fullgraph=True, mode=mode)(*leaves)
+        torch.testing.assert_close(got, want)
+        g = torch.randn_like(got)
+        grads = zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g), strict=True)
+        for a, b in grads:
+            torch.testing.assert_close(a, b)
