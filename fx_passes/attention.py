@@ -285,6 +285,7 @@ class _Masks:
     def __init__(self):
         self.keeps: list[tuple[Node, bool]] = []  # (bool tensor, negate): True = visible after negation
         self.additive: list[Node] = []
+        self.negated: set[Node] = set()  # additive masks subtracted from the scores (s - m): the op adds -m
         # The shape of the scores where each mask applies, when a view of their leading dims differs
         # from q·kᵀ's (a mask added to the (B, H, Sq, Sk) view of bmm's (B·H, Sq, Sk) scores).
         self.stages: dict[Node, tuple] = {}
@@ -322,6 +323,7 @@ class _Masks:
                 keep = keep_i if keep is None else keep & keep_i
             for node in self.additive:
                 m = _const_eval(node)
+                m = -m if node in self.negated else m
                 visible = m == 0
                 masked = m <= _ADDITIVE_MASKED
                 if not bool((visible | masked).all()):
@@ -359,7 +361,10 @@ class _Masks:
             )
         add_node = None
         for node in self.additive:
-            node = _narrow_additive(graph, node, sq, sk, like)
+            if node in self.negated:
+                node = insert_call(graph, torch.neg, (node,), like=like)
+            else:
+                node = _narrow_additive(graph, node, sq, sk, like)
             add_node = (
                 node if add_node is None else insert_call(graph, torch.add, (add_node, node), like=like)
             )
@@ -468,7 +473,9 @@ def _masked_or_zero_value(v, factor: float) -> bool:
 
 
 _MASK_PASSTHROUGH = ("expand", "expand_as", "contiguous", "view", "reshape", "unsqueeze", "squeeze",
-                     "getitem", "to", "float", "type_as")
+                     "getitem", "to", "float", "type_as",
+                     # copies of its values, one per head (a (B, 1, S) mask brought to baddbmm's (B·H, 1, S))
+                     "repeat", "repeat_interleave")
 
 
 def _zero_or_masked(node, factor: float, depth: int = 12) -> bool:
@@ -581,8 +588,14 @@ def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
         if dims == [ndim - 2, ndim - 1]:
             return kt.args[0], None
         raise _Skip(f"k is transposed over dims {dims}, not its last two")
-    if name == "permute":
-        perm = kt.args[1:] if len(kt.args) > 1 else kt.kwargs.get("dims", ())
+    reverse = kt.op == "call_function" and kt.target is getattr and kt.args[1] == "T"
+    if name == "permute" or reverse:
+        # x.T reverses every dim (deprecated beyond 2-d, where it is not a swap of the last two): the
+        # permute (ndim-1, ..., 0)
+        if reverse:
+            perm = list(range(ndim))[::-1]
+        else:
+            perm = kt.args[1:] if len(kt.args) > 1 else kt.kwargs.get("dims", ())
         if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
             perm = perm[0]
         perm = [norm_dim(d, ndim) for d in perm]
@@ -596,7 +609,7 @@ def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
             return kt.args[0], perm[:-2] + [perm[-1], perm[-2]]
         raise _Skip(f"k is permuted by {perm}, not by a swap of its last two dims (nor into kᵀ from "
                     "another layout with its batch dims in order)")
-    if kt.op == "call_function" and kt.target is getattr and kt.args[1] in ("mT", "mH", "T"):
+    if kt.op == "call_function" and kt.target is getattr and kt.args[1] in ("mT", "mH"):
         return kt.args[0], None
     if kt.op == "call_method" and kt.target in ("t",):
         return kt.args[0], None
@@ -828,10 +841,16 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             ra, rb = _reaches_matmul(a), _reaches_matmul(b)
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the mask in '{x.name}'")
+            alpha = x.kwargs.get("alpha", 1)
+            if alpha != 1 or x.kwargs.keys() - {"alpha"}:
+                # torch.add(a, b, alpha=c) is a + c·b: the mask scaled (s + m·c), or the scores (m + s·c)
+                raise _Skip(f"'{x.name}' adds with alpha={alpha}: the mask or the scores would be scaled")
             scores, mask = (a, b) if ra else (b, a)
             if is_number(mask):
                 steps.append(("shift", mask))  # a constant shift does not change softmax
             else:
+                if mask in cand.masks.negated:  # masks are kept by node: s + m - m would give s - 2m
+                    raise _Skip(f"'{mask.name}' is both added to and subtracted from the scores")
                 steps.append(("add", mask))
                 cand.masks.additive.append(mask)
                 cand.masks.stages[mask] = _shape(scores)  # the scores' shape, not the (maybe broadcast) sum
@@ -840,6 +859,24 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
         if name == "sub" and len(x.args) == 2 and isinstance(x.args[0], Node):
             scores, shift = x.args
             row_max = _row_max_of(shift, scores, x)
+            if (
+                row_max is None
+                and isinstance(shift, Node)
+                and tensor_meta(shift) is not None
+                and _plain_binary(x)
+                and _reaches_matmul(scores)
+                and not _reaches_matmul(shift)
+                and set(scores.users) == {x}  # a shift computed from the scores (s.amin(-2)) is no mask
+            ):
+                # s - m is s + (-m), exactly: an additive mask the op takes negated (XLNet's s - 1e30·m)
+                if any(n is shift for n in cand.masks.additive):
+                    raise _Skip(f"'{shift.name}' is both added to and subtracted from the scores")
+                steps.append(("sub", shift))
+                cand.masks.additive.append(shift)
+                cand.masks.negated.add(shift)
+                cand.masks.stages[shift] = _shape(scores)
+                consumer, x = x, scores
+                continue
             if not is_number(shift) and row_max is None:
                 what = getattr(shift, "name", shift)
                 raise _Skip(f"'{x.name}' subtracts '{what}' from the scores: neither a constant nor their "
@@ -891,10 +928,16 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
             raise _Skip(f"'{x.name}' updates the scores in place ({x.target.__name__}) on a view or a tensor "
                         "read elsewhere; only in-place updates of a freshly computed tensor are taken")
         raise _Skip(f"scores pass through '{x.name}' ({name or x.target}), which is not part of attention")
+    if name == "baddbmm" and arg(x, 0, "input") is not None:
+        # baddbmm's input is added inside q·kᵀ's own node: the innermost mask step. Scales outside scale
+        # it too, (bias + q·kᵀ) / √d, which the op's mask would not be (checked below like any add).
+        bias = arg(x, 0, "input")
+        if x.kwargs.get("beta", 1) != 0 and not _is_zero_constant(bias):
+            steps.append(("add", bias))
     # A symbolic or tensor factor after any mask is left alone (sign unknown).
     seen_mask = False
     for kind, _ in reversed(steps):  # innermost first
-        if kind in ("add", "keep"):
+        if kind in ("add", "sub", "keep"):
             seen_mask = True
         elif kind in ("symbolic scale", "tensor scale") and seen_mask:
             raise _Skip(f"the scores are scaled by a {kind.split()[0]} factor (sign unknown) after masking")
@@ -910,6 +953,9 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
         elif kind == "keep" and after != 1.0 and fills[i] * after > _MASKED_VALUE:
             raise _Skip(f"the fill value {fills[i]:.3g} is scaled by {after:.3g} afterwards, to "
                         f"{fills[i] * after:.3g}: not a masked-out value")
+        elif kind == "sub" and after != 1.0:
+            raise _Skip("the scores are scaled after a mask was subtracted from them: the mask would be "
+                        "scaled too")
         elif kind == "add" and after != 1.0 and not _zero_or_masked(obj, after):
             raise _Skip("the scores are scaled after an additive mask was added, and the mask is not one of "
                         "0 and masked-out values only")
@@ -999,6 +1045,9 @@ def _qk(cand: _Candidate, mm: Node):
         raise _Skip(f"q·kᵀ operands are {ndim}-d; the flash op takes (B, H, S, D) or (BH, S, D)")
     cand.batch_dims = ndim - 2
     kt = _strip_scales(cand, kt, mm)
+    while op_name(kt) in _IDENTITY and isinstance(kt.args[0], Node):  # kᵀ.contiguous(): the same values
+        cand.chain.append(kt)
+        kt = kt.args[0]
     k, cand.k_perm = _untranspose(kt, ndim)
     cand.chain.append(kt)  # erased only if the rewrite leaves it without users
     cand.k = _strip_scales(cand, k, kt)
@@ -1046,8 +1095,9 @@ def _dropout_p(node: Node):
     raise _Skip(f"dropout '{node.name}' has a p that is neither a number nor a scalar")
 
 
-def _probs_side(cand: _Candidate, softmax: Node) -> Node:
-    """Walk from softmax up to the ·v matmul; returns it."""
+def _probs_side(cand: _Candidate, softmax: Node) -> tuple[Node, Node]:
+    """Walk from softmax up to the ·v matmul; returns it and the probabilities it reads (which operand
+    they are is _pv's to check: vᵀ @ p contracts over the queries)."""
     x = softmax
     cand.dropout_p = 0.0
     while True:
@@ -1058,7 +1108,7 @@ def _probs_side(cand: _Candidate, softmax: Node) -> Node:
         user = users[0]
         name = op_name(user)
         if name in _MATMULS:
-            return user
+            return user, x
         if name in _CASTS or name in _IDENTITY:
             if user.args[0] is not x:
                 raise _Skip(f"'{user.name}' uses the probabilities as a dtype template")
@@ -1090,16 +1140,20 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
     name = op_name(pv)
     if name == "einsum":
         eq, operands = _einsum_operands(pv)
-        if not isinstance(eq, str) or len(operands) != 2 or operands[0] is not probs:
-            raise _Skip("the probabilities are not the first operand of the ·v einsum")
+        if not isinstance(eq, str) or len(operands) != 2 or not any(o is probs for o in operands):
+            raise _Skip("the probabilities are not an operand of the ·v einsum")
         (p_l, v_l), out = _parse_einsum(eq, 2, [len(_shape(o) or ()) or None for o in operands])
+        v = operands[1]
+        if operands[0] is not probs:
+            # einsum("bhjd,bhij->bhid", v, p): the same contraction with the operands listed the other way
+            (p_l, v_l), v = (v_l, p_l), operands[0]
         if len(p_l) != len(_shape(probs) or ()):
             raise _Skip(f"einsum '{eq}' does not take the scores' layout")
         batch, i, j = list(p_l[:-2]), p_l[-2], p_l[-1]
         e = [c for c in v_l if c not in p_l]
         if len(e) != 1 or sorted(v_l) != sorted(batch + [j] + e) or sorted(out) != sorted(batch + [i] + e):
             raise _Skip(f"einsum '{eq}' is not probabilities·v")
-        cand.v = operands[1]
+        cand.v = v
         cand.v_perm = [v_l.index(c) for c in batch + [j] + e]
         produced = batch + [i] + e
         cand.out_perm = [produced.index(c) for c in out]
@@ -1297,6 +1351,7 @@ class _Layout:
                 remapped[node] = insert_call(graph, torch.reshape, (full, self.canon + last2), like=like)
         masks.keeps = [(remapped.get(n, n), negate) for n, negate in masks.keeps]
         masks.additive = [remapped.get(n, n) for n in masks.additive]
+        masks.negated = {remapped.get(n, n) for n in masks.negated}
         self.cand.chain.extend(remapped.values())  # erased with the rest when the op does not use them
         return q_in, k_in, v_in
 
@@ -1333,8 +1388,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     mm = _scores_side(cand, softmax, x)
     _qk(cand, mm)
     cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
-    pv = _probs_side(cand, softmax)
-    probs = _einsum_operands(pv)[1][0] if op_name(pv) == "einsum" else pv.args[0]
+    pv, probs = _probs_side(cand, softmax)
     _pv(cand, pv, probs)
     cand.chain.append(softmax)
 

@@ -712,3 +712,157 @@ def test_probabilities_kept_on_the_module_are_left_alone():
     report = flash_backend.explain(module.eval(), *inputs, print_report=False)
     assert _rewrites() == (0, 1)
     assert "also returned" in report.near_misses[0].detail
+
+
+# --------------------------------------------------------------------------------------------------------
+# Review (session 22): spellings that were rewritten into another function, and a few more of the same one
+# --------------------------------------------------------------------------------------------------------
+
+
+def _add_with_alpha_mask(q, k, v, m):
+    # torch.add(s, m, alpha=-1e4) is s - 1e4·m: the 0/1 mask scaled, not m as it is
+    return torch.softmax(torch.add(q @ k.transpose(-2, -1) * 0.25, m, alpha=-1e4), -1) @ v
+
+
+def _add_with_alpha_scores(q, k, v, m):
+    # torch.add(m, s, alpha=0.25) is m + 0.25·s: the scores scaled, not the bias
+    return torch.softmax(torch.add(m, q @ k.transpose(-2, -1), alpha=0.25), -1) @ v
+
+
+def _baddbmm_bias_then_scaled(q, k, v, bias):
+    # a scale outside baddbmm scales its input too: (bias + q·kᵀ) / √d
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+    scores = torch.baddbmm(bias, q3, k3.transpose(1, 2)) / math.sqrt(d)
+    return torch.bmm(scores.softmax(-1), v3)
+
+
+def _baddbmm_bias_then_tensor_scale(q, k, v, bias, t):
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t_.reshape(b * h, s, d) for t_ in (q, k, v))
+    return torch.bmm((bias.baddbmm(q3, k3.transpose(1, 2)) * t).softmax(-1), v3)
+
+
+def _k_dot_T(q, k, v):
+    # k.T reverses every dim of the 4-d k (runs since B == H == S == D): not kᵀ
+    return torch.softmax(q @ k.T * 0.25, -1) @ v
+
+
+def _v_transposed_times_probs(q, k, v):
+    # vᵀ·p contracts the probabilities over the queries, not the keys
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return v.transpose(-2, -1) @ p
+
+
+def _sub_mask_then_scaled(q, k, v, masked):
+    # (s - 1e4·m) · 0.1 leaves -1e3 on masked keys: not masked out (not taken for any scale after a sub)
+    return torch.softmax((q @ k.transpose(-2, -1) - 1e4 * masked) * 0.1, -1) @ v
+
+
+def _mask_added_and_subtracted(q, k, v, m):
+    # the same function as no mask at all, but not one mask node the op could take
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + m - m, -1) @ v
+
+
+REVIEW_NEAR_MISSES = [
+    (_add_with_alpha_mask, lambda: ((torch.rand(1, 1, 1, 8) > 0.5).float(),), "adds with alpha"),
+    (_add_with_alpha_scores, lambda: (torch.randn(1, 1, 1, 8),), "adds with alpha"),
+    (_baddbmm_bias_then_scaled, lambda: (torch.randn(64, 1, 8),), "scaled after an additive mask"),
+    (_baddbmm_bias_then_tensor_scale, lambda: (torch.randn(64, 1, 8), torch.tensor(0.3)),
+     "(sign unknown) after masking"),
+    (_k_dot_T, tuple, "permuted by [3, 2, 1, 0]"),
+    (_sub_mask_then_scaled, lambda: ((torch.rand(1, 1, 1, 8) > 0.5).float(),), "after a mask was subtracted"),
+    (_mask_added_and_subtracted, lambda: (torch.randn(1, 1, 1, 8),), "both added to and subtracted from"),
+    (_v_transposed_times_probs, tuple, "not the left operand of the ·v matmul"),
+]
+
+
+@pytest.mark.parametrize(
+    "fn, extra, reason", REVIEW_NEAR_MISSES, ids=[f.__name__.strip("_") for f, _, _ in REVIEW_NEAR_MISSES]
+)
+def test_review_other_functions_are_left_alone(fn, extra, reason):
+    # each was rewritten into another function before: the alpha, the outer scale of baddbmm's input, the
+    # reversed dims of .T, the operand order of ·v were not read
+    torch.manual_seed(0)
+    q, k, v = _qkv(B=8, H=8, S=8, D=8)
+    extra = extra()
+    torch._dynamo.reset()
+    counters.clear()
+    report = flash_backend.explain(fn, q, k, v, *extra, print_report=False)
+    assert _rewrites() == (0, 1), report
+    (decision,) = [d for d in report.near_misses if d.family == "attention"]
+    assert reason in decision.detail, decision.line()
+    torch.testing.assert_close(
+        torch.compile(fn, backend=rewrite_only_backend)(q, k, v, *extra), fn(q, k, v, *extra)
+    )
+
+
+def _baddbmm_where_mask_then_scaled(q, k, v, keep):
+    # baddbmm's input is a 0 / -inf mask: still masked once scaled, so the outer scale may skip it
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+    mask = torch.where(keep, 0.0, float("-inf")).repeat_interleave(h, dim=0)
+    return torch.bmm((mask.baddbmm(q3, k3.transpose(1, 2)) * d**-0.5).softmax(-1), v3)
+
+
+def _bmm_k_dot_T_3d(q, k, v):
+    # k held as (S, D, B·H): its .T (every dim reversed) is (B·H, D, S), kᵀ of k.permute(2, 0, 1)
+    b, h, s, d = q.shape
+    q3, v3 = q.reshape(b * h, s, d), v.reshape(b * h, s, d)
+    k3 = k.reshape(b * h, s, d).permute(1, 2, 0).contiguous()
+    return torch.bmm(torch.softmax(torch.bmm(q3, k3.T) * 0.25, -1), v3)
+
+
+def _kt_contiguous(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1).contiguous() * 0.25, -1) @ v
+
+
+def _einsum_pv_v_first(q, k, v):
+    p = torch.softmax(torch.einsum("bhid,bhjd->bhij", q, k) * 0.25, -1)
+    return torch.einsum("bhjd,bhij->bhid", v, p)
+
+
+def _einsum_pv_v_first_bshd(q, k, v):
+    # v in (B, S, H, D) and the output too
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return torch.einsum("bjhd,bhij->bihd", *_bshd(v), p)
+
+
+def _sub_mask_xlnet(q, k, v, masked):
+    # XLNet: s - 1e30·m with m = 1 on masked keys, i.e. s + (-1e30·m)
+    return F.softmax(q @ k.transpose(-2, -1) * 0.25 - 1e30 * masked, dim=-1) @ v
+
+
+def _sub_mask_bmm_rows(q, k, v, bias):
+    # a (B·H, 1, S) mask subtracted from bmm's scores, softmax on their (B, H, S, S) view
+    b, h, s, d = q.shape
+    scores = torch.bmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(1, 2)) * 0.25
+    return (scores - bias).view(b, h, s, s).softmax(-1) @ v
+
+
+def _sub_causal_constant(q, k, v):
+    s = q.shape[-2]
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 - 1e30 * torch.ones(s, s).triu(1), -1) @ v
+
+
+REVIEW_SAME = [
+    (_baddbmm_where_mask_then_scaled, lambda: (_keep_rows(B, S)[:, None, :],)),
+    (_sub_mask_xlnet, lambda: ((~_keep_rows(B, S))[:, None, None, :].float(),)),
+    (_sub_mask_bmm_rows, lambda: (torch.randn(B * H, 1, S),)),
+    (_bmm_k_dot_T_3d, tuple),
+    (_kt_contiguous, tuple),
+    (_einsum_pv_v_first, tuple),
+    (_einsum_pv_v_first_bshd, tuple),
+]
+
+
+@pytest.mark.parametrize("fn, extra", REVIEW_SAME, ids=[f.__name__.strip("_") for f, _ in REVIEW_SAME])
+def test_review_same_function_is_rewritten(fn, extra):
+    torch.manual_seed(0)
+    (node,) = _check_same(fn, *_qkv(B=B, H=H, S=S, D=D), *extra())
+    assert node.kwargs["is_causal"] is False
+
+
+def test_review_subtracted_constant_causal_mask_becomes_is_causal():
+    (node,) = _check_same(_sub_causal_constant, *_qkv(B=B, H=H, S=S, D=D))
+    assert node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None
