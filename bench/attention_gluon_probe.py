@@ -1,10 +1,10 @@
 """Probe (H200): the Gluon forward for Hopper (flash_backend/kernels/attention_fwd_hopper.py) in each launch
 configuration, against cuDNN and our Triton forward in one process, output and logsumexp checked against
-fp32 first. What it decides: which head dims route to the Gluon kernel (HEAD_DIMS) and each one's
-(BLOCK_N, STAGES, PINGPONG) (CONFIGS). Logs: bench/logs/attention_gluon_probe*_h200.log; findings in
-bench/NOTES_attention.md (session 22).
+fp32 first. What it decides: which (head_dim, causal) route to the Gluon kernel and with which
+(BLOCK_N, STAGES, PINGPONG, CONSUMERS) (the kernel module's CONFIGS). Logs:
+bench/logs/attention_gluon_probe*_h200.log; findings in bench/NOTES_attention.md (session 22).
 
-    python bench/attention_gluon_probe.py          # on a GPU
+    python bench/attention_gluon_probe.py [64 128 256]   # on a GPU; optionally only these head dims
     python bench/attention_gluon_probe.py quick    # two small cases first: a barrier bug hangs, not fails
 """
 from __future__ import annotations
@@ -24,16 +24,17 @@ from flash_backend.kernels.attention_fwd import attention_forward_launch  # noqa
 from flash_backend.kernels.attention_fwd_hopper import attention_forward_hopper_launch  # noqa: E402
 from flash_backend.ops.attention import attention_reference  # noqa: E402
 
-CONFIGS = {  # (BLOCK_N, STAGES, PINGPONG) tried per head_dim
-    64: [(128, 2, False), (128, 2, True), (128, 4, True)],
-    128: [(128, 2, False), (128, 2, True), (64, 3, True)],
-    256: [(64, 2, False), (64, 2, True)],
+CONFIGS = {  # (BLOCK_N, STAGES, PINGPONG, CONSUMERS) tried per head_dim
+    64: [(128, 2, True, 2), (128, 2, True, 3), (128, 3, True, 3), (64, 3, True, 3), (128, 2, False, 3)],
+    128: [(128, 2, False, 2), (128, 2, True, 2)],
+    256: [(64, 2, False, 2), (64, 2, True, 2)],
 }
 SHAPES = [  # (B, H, Hkv, S, D, causal)
     (4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True), (8, 16, 16, 2048, 128, False),
     (8, 16, 16, 2048, 128, True), (2, 16, 16, 8192, 128, True), (16, 16, 16, 1024, 128, True),
     (32, 16, 16, 512, 128, False), (4, 32, 8, 4096, 128, True), (1, 16, 16, 16384, 256, False),
-    (1, 16, 16, 16384, 256, True), (8, 16, 16, 2048, 64, False), (16, 16, 16, 1024, 64, True),
+    (1, 16, 16, 16384, 256, True), (8, 16, 16, 2048, 64, False), (8, 16, 16, 2048, 64, True),
+    (16, 16, 16, 1024, 64, True), (2, 16, 16, 8192, 64, False),
 ]
 
 
@@ -79,7 +80,7 @@ def run_shape(B, H, Hkv, S, D, causal, configs, check=True):
     print(f"{shape:<24} {'triton':<18} {t_triton:8.3f} {flops / t_triton / 1e9:7.1f} "
           f"{t_cudnn / t_triton:7.3f}")
     for config in configs:
-        name = "gluon n{} s{}{}".format(*config[:2], " pp" if config[2] else "")
+        name = "gluon n{} s{}{} c{}".format(*config[:2], " pp" if config[2] else "", config[3])
         try:
             verdict = ""
             if check:
@@ -102,8 +103,12 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "quick":
         run_shape(2, 4, 4, 333, 128, True, CONFIGS[128])
         run_shape(2, 4, 2, 300, 256, False, CONFIGS[256])
+        run_shape(2, 4, 2, 400, 64, True, CONFIGS[64])
         return
+    head_dims = {int(a) for a in sys.argv[1:]} or set(CONFIGS)  # e.g. `attention_gluon_probe.py 64 256`
     for B, H, Hkv, S, D, causal in SHAPES:
+        if D not in head_dims:
+            continue
         run_shape(B, H, Hkv, S, D, causal, CONFIGS[D], check=S * S * B <= 2 * 8192 * 8192)
 
 

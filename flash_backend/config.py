@@ -49,9 +49,9 @@ dense_training_on_cuda: bool = _env_flag("FLASH_BACKEND_DENSE_TRAINING", True)
 cross_entropy_on_cuda: bool = _env_flag("FLASH_BACKEND_CROSS_ENTROPY", True)
 
 # Not a rewrite switch: flash::attention_forward runs the Gluon forward for Hopper where it applies
-# (kernels/attention_fwd_hopper.py: sm_90, head_dim 128, no mask / dropout / window): 1.16-1.21x the Triton
-# forward on the H200 (bench/logs/attention_gluon_probe_h200.log). Off (FLASH_BACKEND_HOPPER_ATTENTION=0):
-# every call takes the Triton forward.
+# (kernels/attention_fwd_hopper.py: sm_90, head_dim 128 / 256 / 64 non-causal, no mask / dropout / window):
+# 1.06-1.32x the Triton forward on the H200 (bench/logs/attention_gluon_probe*_h200.log). Off
+# (FLASH_BACKEND_HOPPER_ATTENTION=0): every call takes the Triton forward.
 hopper_attention_forward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION", True)
 
 # Not a rewrite switch: eager calls of flash_attention / add_dropout_norm on plain CUDA tensors skip the

@@ -32,27 +32,8 @@ def test_kernel_compiles_for_sm90(causal, dtype, pingpong):
     reallocation in it: what the H200 ran (bench/logs/attention_gluon_probe_h200.log)."""
     if not hopper.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    element = gl.bfloat16 if dtype == "bf16" else gl.float16
-    block_n, stages, _ = hopper.CONFIGS[128]
-    signature = {}
-    for name, rows in (("q_desc", hopper.BLOCK_M), ("k_desc", block_n), ("v_desc", block_n),
-                       ("o_desc", hopper.BLOCK_M)):
-        block = [1, 1, rows, 128]
-        layout = gl.NVMMASharedLayout.get_default_for(block, element)
-        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    signature.update(LSE="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32",
-                     STAGES="constexpr", CAUSAL="constexpr", PINGPONG="constexpr", PRODUCER_REGS="constexpr",
-                     CONSUMER_REGS="constexpr")
-    constexprs = dict(STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, PRODUCER_REGS=hopper._PRODUCER_REGS,
-                      CONSUMER_REGS=hopper._CONSUMER_REGS)
-    src = GluonASTSource(fn=hopper._attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": hopper._MAXNREG})
+    block_n, stages, _, consumers = hopper.CONFIGS[(128, causal)]
+    kernel = hopper.compile_sm90(128, dtype, causal, (block_n, stages, pingpong, consumers))
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
@@ -85,8 +66,10 @@ ROUTING = {
     "bshd_layout": (dict(bshd=True), dict(window_right=0), True),
     "fp16": (dict(dtype=torch.float16), {}, True),
     "fp32": (dict(dtype=torch.float32), {}, False),
-    "head_dim_64": (dict(D=64), {}, False),
-    "head_dim_256": (dict(D=256), {}, False),
+    "head_dim_64": (dict(D=64), {}, True),  # three consumer warpgroups
+    "head_dim_64_causal": (dict(D=64), dict(window_right=0), False),  # slower there than the Triton forward
+    "head_dim_256": (dict(D=256), dict(window_right=0), True),
+    "head_dim_96": (dict(D=96), {}, False),
     "dropout": ({}, dict(dropout_p=0.1), False),
     "window": ({}, dict(window_left=64), False),
     "right_window": ({}, dict(window_right=16), False),
@@ -146,27 +129,33 @@ needs_hopper = pytest.mark.skipif(not (_HAS_HOPPER and hopper.GLUON_AVAILABLE),
                                   reason="needs an sm_90 GPU and Gluon")
 
 CUDA_CASES = {
-    # name: (B, H, Hkv, Sq, Sk, causal, bottom_right, bshd)
-    "square_odd": (2, 4, 4, 1000, 1000, False, False, False),
-    "causal_odd": (2, 4, 4, 1000, 1000, True, False, False),
-    "tiny": (1, 3, 3, 97, 97, True, False, False),
-    "one_row_one_key": (1, 2, 2, 1, 1, False, False, False),
-    "long_q_short_k": (2, 4, 4, 700, 129, False, False, False),
-    "short_q_long_k_causal_top_left": (2, 4, 4, 300, 3000, True, False, False),
-    "long_q_short_k_causal_top_left": (1, 4, 4, 3000, 300, True, False, False),
-    "causal_bottom_right_square": (1, 4, 4, 513, 513, True, True, False),
-    "gqa": (2, 8, 2, 640, 640, True, False, False),
-    "bshd": (2, 4, 4, 777, 777, True, False, True),
+    # name: (B, H, Hkv, Sq, Sk, D, causal, bottom_right, bshd)
+    "square_odd": (2, 4, 4, 1000, 1000, 128, False, False, False),
+    "causal_odd": (2, 4, 4, 1000, 1000, 128, True, False, False),
+    "tiny": (1, 3, 3, 97, 97, 128, True, False, False),
+    "one_row_one_key": (1, 2, 2, 1, 1, 128, False, False, False),
+    "long_q_short_k": (2, 4, 4, 700, 129, 128, False, False, False),
+    "short_q_long_k_causal_top_left": (2, 4, 4, 300, 3000, 128, True, False, False),
+    "long_q_short_k_causal_top_left": (1, 4, 4, 3000, 300, 128, True, False, False),
+    "causal_bottom_right_square": (1, 4, 4, 513, 513, 128, True, True, False),
+    "gqa": (2, 8, 2, 640, 640, 128, True, False, False),
+    "bshd": (2, 4, 4, 777, 777, 128, True, False, True),
+    "d256_odd": (1, 4, 4, 513, 700, 256, False, False, False),
+    "d256_causal_gqa": (2, 8, 2, 1000, 1000, 256, True, False, False),
+    "d256_bshd_causal_short_q": (1, 4, 4, 300, 701, 256, True, False, True),
+    "d64_three_consumers_odd": (2, 4, 4, 1000, 1000, 64, False, False, False),
+    "d64_sq_ne_sk_gqa": (2, 8, 2, 97, 3000, 64, False, False, False),
+    "d64_bshd": (2, 4, 4, 500, 500, 64, False, False, True),
 }
 
 
-def _cuda_qkv(B, H, Hkv, Sq, Sk, dtype, bshd):
+def _cuda_qkv(B, H, Hkv, Sq, Sk, D, dtype, bshd):
     if bshd:
-        return (torch.randn(B, Sq, H, 128, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.randn(B, Sk, Hkv, 128, device="cuda", dtype=dtype).transpose(1, 2))
+        return (torch.randn(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2),
+                torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2))
     heads_and_lengths = ((H, Sq), (Hkv, Sk), (Hkv, Sk))
-    return tuple(torch.randn(B, h, s, 128, device="cuda", dtype=dtype) for h, s in heads_and_lengths)
+    return tuple(torch.randn(B, h, s, D, device="cuda", dtype=dtype) for h, s in heads_and_lengths)
 
 
 @pytest.mark.cuda
@@ -176,14 +165,14 @@ def _cuda_qkv(B, H, Hkv, Sq, Sk, dtype, bshd):
 def test_cuda_hopper_forward_matches_reference(case, dtype):
     """out within 2x PyTorch's own low-precision error of the fp32 reference (plus a floor), logsumexp within
     fp32 rounding, every element written (outputs poisoned with NaN first)."""
-    B, H, Hkv, Sq, Sk, causal, bottom_right, bshd = CUDA_CASES[case]
-    q, k, v = _cuda_qkv(B, H, Hkv, Sq, Sk, dtype, bshd)
+    B, H, Hkv, Sq, Sk, D, causal, bottom_right, bshd = CUDA_CASES[case]
+    q, k, v = _cuda_qkv(B, H, Hkv, Sq, Sk, D, dtype, bshd)
     window_right = 0 if causal else -1
     assert hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, window_right, bottom_right)
     out, lse = attention_ops._alloc_forward(q, v)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
-    hopper.attention_forward_hopper_launch(q, k, v, 128 ** -0.5, causal, out, lse)
+    hopper.attention_forward_hopper_launch(q, k, v, D ** -0.5, causal, out, lse)
     args = (None, None, 0.0, None, -1, window_right, bottom_right)
     ref_out, ref_lse = attention_reference(q, k, v, *args)
     low_out, _ = attention_reference(q, k, v, *args, upcast=False)
@@ -205,7 +194,7 @@ def test_cuda_calls_take_the_hopper_forward_and_gradients_match(monkeypatch):
     calls = []
     original = attention_ops._hopper_forward
     monkeypatch.setattr(attention_ops, "_hopper_forward", lambda *a: calls.append(1) or original(*a))
-    q, k, v = (t.requires_grad_() for t in _cuda_qkv(2, 8, 2, 1000, 1000, torch.bfloat16, False))
+    q, k, v = (t.requires_grad_() for t in _cuda_qkv(2, 8, 2, 1000, 1000, 128, torch.bfloat16, False))
     out = flash_attention(q, k, v, is_causal=True)
     assert len(calls) == 1
     op_out, _ = torch.ops.flash.attention_forward(q.detach(), k.detach(), v.detach(), None, None, 0.0,
@@ -230,7 +219,7 @@ def test_cuda_calls_take_the_hopper_forward_and_gradients_match(monkeypatch):
 @pytest.mark.cuda
 @needs_hopper
 def test_cuda_hopper_opcheck_and_compile():
-    q, k, v = _cuda_qkv(2, 4, 2, 333, 333, torch.bfloat16, False)
+    q, k, v = _cuda_qkv(2, 4, 2, 333, 333, 128, torch.bfloat16, False)
     opcheck(torch.ops.flash.attention_forward_hopper, (q, k, v, 128 ** -0.5, True))
     opcheck(torch.ops.flash.attention_forward, (q, k, v, None, None, 0.0, 128 ** -0.5, -1, 0, False))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

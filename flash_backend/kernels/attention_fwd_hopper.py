@@ -5,22 +5,24 @@ and what separates it from cuDNN is a structure the Triton compiler does not gen
 bench/NOTES_attention.md). Gluon, Triton's explicit-layout language, exposes that structure directly:
 
 - warp specialisation (gl.warp_specialize): a producer warp streams K and V tiles into a STAGES-deep ring of
-  shared memory with TMA, each buffer guarded by a ready and an empty mbarrier, while two consumer
-  warpgroups compute; registers are moved to the consumers (setmaxnreg: 240 each, 24 for the producer);
+  shared memory with TMA, each buffer guarded by a ready and an empty mbarrier, while two (or three)
+  consumer warpgroups compute; registers are moved to the consumers (setmaxnreg: 240 each of two, 24 for
+  the producer);
 - in each consumer (64 query rows, wgmma's M per warpgroup), asynchronous wgmma: S_j = Q K_j^T and
   O += P_{j-1} V_{j-1} are issued together, the softmax of S_j runs while the P V product still does,
   and O is rescaled once that product is waited for (FA3's intra-warpgroup overlap);
-- optionally "ping-pong" (FA3's inter-warpgroup schedule): the two consumers issue their wgmmas in turns, so
-  one's softmax overlaps the other's matrix products.
-bench/attention_gluon_probe.py measured it at head_dim 128 (bench/logs/attention_gluon_probe_h200.log):
-0.92-0.98x cuDNN and 1.16-1.21x our Triton forward; at head_dim 64 it was slower than the Triton forward
-(one 128-row CTA per SM is too little work per SM there), so head_dim 64 keeps that kernel.
+- optionally "ping-pong" (FA3's inter-warpgroup schedule): the consumers issue their wgmmas in turns, so
+  one's softmax overlaps another's matrix products.
+bench/attention_gluon_probe.py measured it (bench/logs/attention_gluon_probe*_h200.log) at 0.92-0.98x
+cuDNN and 1.16-1.21x our Triton forward at head_dim 128, 0.98-1.02x cuDNN at 256, and with three consumers
+0.94-0.98x at 64 non-causal; causal head_dim 64 was slower than the Triton forward, which keeps it.
 
 Scope (`hopper_forward_supported` decides; everything else runs kernels/attention_fwd.py): fp16 / bf16,
-head_dim in HEAD_DIMS, no mask or bias, no dropout, no window, causal only top-left (or bottom-right with
-Sq == Sk, the same thing), q / k / v / out with a contiguous last dim and 16-byte aligned strides (TMA), any
-lengths (rows past a sequence end are zero-filled by TMA loads and clipped by TMA stores), GQA by head
-mapping. It writes the same out and natural-log logsumexp as the Triton forward, so the backward is shared.
+(head_dim, causal) in CONFIGS, no mask or bias, no dropout, no window, causal only top-left (or bottom-right
+with Sq == Sk, the same thing), q / k / v / out with a contiguous last dim and 16-byte aligned strides
+(TMA), any lengths (rows past a sequence end are zero-filled by TMA loads and clipped by TMA stores), GQA by
+head mapping. It writes the same out and natural-log logsumexp as the Triton forward, so the backward is
+shared.
 """
 
 from __future__ import annotations
@@ -48,14 +50,22 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows per consumer warpgroup: wgmma's M for one warpgroup
-CTA_ROWS = 2 * BLOCK_M  # two consumer warpgroups per CTA
-HEAD_DIMS = (128,)  # where the H200 measured it faster than the Triton forward
 MAX_GRID_Y = 65535  # B * H programs along the grid's second axis
-# (BLOCK_N, STAGES, PINGPONG) per head_dim: the fastest of bench/attention_gluon_probe.py's on the H200
-CONFIGS = {128: (128, 2, True)}
-_CONSUMER_REGS = 240
+# (BLOCK_N, STAGES, PINGPONG, CONSUMERS) per (head_dim, causal) routed here: the fastest of
+# bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
+# (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
+# three consumers (192 rows a CTA, as FA3) 1.06-1.10x. Head_dim 64 causal measured 0.88-0.94x: not routed.
+CONFIGS = {
+    (64, False): (128, 2, True, 3),
+    (128, False): (128, 2, True, 2),
+    (128, True): (128, 2, True, 2),
+    (256, False): (64, 2, False, 2),
+    (256, True): (64, 2, False, 2),
+}
 _PRODUCER_REGS = 24
-_MAXNREG = 168  # 65536 registers over 12 warps (2 consumer warpgroups and the producer's)
+# Registers: the kernel's budget (maxnreg) is 65536 over its warps (the consumers' warpgroups and the
+# producer's); setmaxnreg then moves them from the producer (24) to the consumers.
+_REGS = {2: (168, 240), 3: (128, 160)}  # consumers: (maxnreg, registers a consumer thread)
 
 
 if GLUON_AVAILABLE:
@@ -91,15 +101,16 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _wait_turn(turn_bars, WG: gl.constexpr, k, PINGPONG: gl.constexpr):
-        """Issue point k of consumer 0 waits for consumer 1's point k - 1 (point 0 passes: a fresh mbarrier
-        counts parity 1 as complete); consumer 1's point k waits for consumer 0's point k."""
+        """Ping-pong: the consumers issue their wgmmas in turns, round robin. Issue point k of consumer 0
+        waits for the last consumer's point k - 1 (point 0 passes: a fresh mbarrier counts parity 1 as
+        complete); consumer w > 0 waits for consumer w - 1's point k."""
         if PINGPONG:
-            mbarrier.wait(turn_bars.index(WG), (k & 1) ^ (1 - WG))
+            mbarrier.wait(turn_bars.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
 
     @gluon.jit
     def _pass_turn(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
         if PINGPONG:
-            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+            mbarrier.arrive(turn_bars.index((WG + 1) % turn_bars.type.shape[0]), count=1)
 
     @gluon.jit
     def _masked(s, j, n_blocks, rows, first_row, seq_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
@@ -118,9 +129,12 @@ if GLUON_AVAILABLE:
         return s
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tile, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                  v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                  qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards."""
+        q_tile = q_tiles.index(WG)
+        q_bar = q_bars.index(WG)
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -205,71 +219,72 @@ if GLUON_AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer0(q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                   turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        _consumer(0, q_desc, o_desc, q_tiles.index(0), q_bars.index(0), k_bufs, v_bufs, k_ready, k_empty,
-                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, CAUSAL, PINGPONG)
-
-    @gluon.jit
-    def _consumer1(q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                   turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        _consumer(1, q_desc, o_desc, q_tiles.index(1), q_bars.index(1), k_bufs, v_bufs, k_ready, k_empty,
-                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, CAUSAL, PINGPONG)
-
-    @gluon.jit
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seq_q, seq_k, num_heads, group,
-                                     qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                     PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr):
+                                     qk_scale, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
         if CAUSAL:
             pid_m = gl.num_programs(0) - 1 - pid_m  # the longest rows first
-        m0 = pid_m * (2 * BLOCK_M)
+        m0 = pid_m * (CONSUMERS * BLOCK_M)
         batch = bh // num_heads
         head = bh % num_heads
         if CAUSAL:
-            n_blocks = (gl.minimum(seq_k, m0 + 2 * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+            n_blocks = (gl.minimum(seq_k, m0 + CONSUMERS * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
         else:
             n_blocks = (seq_k + BLOCK_N - 1) // BLOCK_N
 
-        q_tiles = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_block: gl.constexpr = q_desc.block_type.shape
+        q_tiles = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_block, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers read every K / V tile
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer reads every K / V tile
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
         # The argument tuples are written in the call: a tuple assigned to a variable first turns its
-        # constexprs into tensors. Consumer 0 is the default partition (4 warps), consumer 1 and the producer
-        # are workers.
-        gl.warp_specialize([
-            (_consumer0, (q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                          turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
-                          CAUSAL, PINGPONG)),
-            (_consumer1, (q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                          turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks, qk_scale,
-                          CAUSAL, PINGPONG)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                         head // group, n_blocks)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # constexprs into tensors. Consumer 0 is the default partition (4 warps); the other consumers and
+        # the producer are workers.
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                             qk_scale, CAUSAL, PINGPONG)),
+                (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                             qk_scale, CAUSAL, PINGPONG)),
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
+                             head // group, n_blocks)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
+            gl.warp_specialize([
+                (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                             qk_scale, CAUSAL, PINGPONG)),
+                (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                             qk_scale, CAUSAL, PINGPONG)),
+                (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                             qk_scale, CAUSAL, PINGPONG)),
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
+                             head // group, n_blocks)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------- host
@@ -298,10 +313,32 @@ def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_
     B, H, Sq, D = q.shape
     causal = window_right == 0
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and D in HEAD_DIMS and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
+            and (D, causal) in CONFIGS and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
             and window_left == -1 and window_right in (-1, 0)
             and not (causal and bottom_right and Sq != k.shape[2]) and k.shape[2] > 0
             and B * H <= MAX_GRID_Y and all(_tma_ok(t) for t in (q, k, v)))
+
+
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
+    """The kernel compiled ahead of time for sm_90, no GPU needed (what the CPU tests check of it; Gluon has
+    no interpreter). dtype: "bf16" or "fp16"; config as attention_forward_hopper_launch's."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_n, stages, pingpong, consumers = config
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    signature = {}
+    for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
+        block = [1, 1, rows, head_dim]
+        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    signature.update(LSE="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32")
+    maxnreg, consumer_regs = _REGS[consumers]
+    constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+                      PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=_attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
 
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -314,7 +351,8 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None):
     """Fill out (B, H, Sq, D) and lse (B, H, Sq, contiguous) with the Gluon forward; the caller checked
-    hopper_forward_supported(...) and that out is TMA-compatible. config = (BLOCK_N, STAGES, PINGPONG)."""
+    hopper_forward_supported(...) and that out is TMA-compatible. config = (BLOCK_N, STAGES, PINGPONG,
+    CONSUMERS)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if B * H * Sq == 0:
@@ -322,10 +360,12 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
     if not _tma_ok(out) or not lse.is_contiguous():
         raise ValueError("attention_forward_hopper_launch: out needs TMA-compatible strides and lse to be "
                          "contiguous (B, H, Sq)")
-    block_n, stages, pingpong = config or CONFIGS[D]
-    grid = (triton.cdiv(Sq, CTA_ROWS), B * H)
+    block_n, stages, pingpong, consumers = config or CONFIGS[(D, causal)]
+    maxnreg, consumer_regs = _REGS[consumers]
+    grid = (triton.cdiv(Sq, consumers * BLOCK_M), B * H)
     _attention_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
-        lse, Sq, Sk, H, H // Hkv, scale * LOG2E, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-        PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
+        lse, Sq, Sk, H, H // Hkv, scale * LOG2E, CONSUMERS=consumers, STAGES=stages, CAUSAL=causal,
+        PINGPONG=pingpong, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs, num_warps=4,
+        maxnreg=maxnreg,
     )
