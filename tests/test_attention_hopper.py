@@ -46,7 +46,7 @@ def test_kernel_compiles_for_sm90(causal, dtype, pingpong):
     assert "0 bytes spill stores" in report, report
 
 
-def _fake_qkv(B=2, H=4, Hkv=4, Sq=300, Sk=300, D=128, dtype=torch.bfloat16, bshd=False):
+def _fake_qkv(B=8, H=16, Hkv=16, Sq=2048, Sk=2048, D=128, dtype=torch.bfloat16, bshd=False):
     shape_q, shape_kv = (B, H, Sq, D), (B, Hkv, Sk, D)
     if bshd:  # transformers' (B, S, H, D) tensors, transposed for the op
         return (torch.empty(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2),
@@ -59,10 +59,12 @@ ROUTING = {
     # name: (tensor kwargs, call kwargs, routed to the Gluon forward)
     "plain": ({}, {}, True),
     "causal": ({}, dict(window_right=0), True),
-    "causal_sq_ne_sk_top_left": (dict(Sq=700, Sk=300), dict(window_right=0), True),
+    "causal_sq_ne_sk_top_left": (dict(Sq=4096, Sk=1500), dict(window_right=0), True),
     "causal_bottom_right_square": ({}, dict(window_right=0, bottom_right=True), True),
-    "causal_bottom_right_sq_ne_sk": (dict(Sq=200, Sk=300), dict(window_right=0, bottom_right=True), False),
+    "causal_bottom_right_sq_ne_sk": (dict(Sq=2000, Sk=3000), dict(window_right=0, bottom_right=True), False),
     "gqa": (dict(H=8, Hkv=2), {}, True),
+    "small_problem": (dict(B=1, H=4, Hkv=4, Sq=1000, Sk=1000), {}, False),  # host-bound: MIN_SCORES
+    "head_dim_64_short_q": (dict(D=64, B=64, Sq=1024, Sk=1024), {}, False),  # MIN_SEQ_Q_THREE_CONSUMERS
     "bshd_layout": (dict(bshd=True), dict(window_right=0), True),
     "fp16": (dict(dtype=torch.float16), {}, True),
     "fp32": (dict(dtype=torch.float32), {}, False),
@@ -75,7 +77,7 @@ ROUTING = {
     "right_window": ({}, dict(window_right=16), False),
     "mask": ({}, dict(attn_mask="bool"), False),
     "no_keys": (dict(Sk=0), {}, False),
-    "too_many_heads_for_the_grid": (dict(B=70000, H=1, Hkv=1, Sq=1, Sk=1), {}, False),
+    "too_many_heads_for_the_grid": (dict(B=70000, H=1, Hkv=1, Sq=64, Sk=64), {}, False),
 }
 
 
@@ -102,17 +104,37 @@ def test_routing_needs_tma_strides(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _fake_qkv()
         assert hopper.hopper_forward_supported(q, k, v, **kw)
-        shape = (2, 4, 300, 128)
-        strided_last = torch.empty_strided(shape, (4 * 300 * 256, 300 * 256, 256, 2), device="cuda",
+        shape = q.shape
+        strided_last = torch.empty_strided(shape, (16 * 2048 * 256, 2048 * 256, 256, 2), device="cuda",
                                            dtype=torch.bfloat16)
         assert not hopper.hopper_forward_supported(strided_last, k, v, **kw)
-        odd_rows = torch.empty_strided(shape, (4 * 300 * 131, 300 * 131, 131, 1), device="cuda",
+        odd_rows = torch.empty_strided(shape, (16 * 2048 * 131, 2048 * 131, 131, 1), device="cuda",
                                        dtype=torch.bfloat16)
         assert not hopper.hopper_forward_supported(q, odd_rows, v, **kw)
-        buffer = torch.empty(2 * 4 * 300 * 128 + 8, device="cuda", dtype=torch.bfloat16)
-        offset = buffer.as_strided(shape, (4 * 300 * 128, 300 * 128, 128, 1), 3)
+        buffer = torch.empty(q.numel() + 8, device="cuda", dtype=torch.bfloat16)
+        offset = buffer.as_strided(shape, v.stride(), 3)
         assert not hopper.hopper_forward_supported(q, k, offset, **kw)
         assert hopper.hopper_forward_supported(q, k, buffer.as_strided(shape, v.stride(), 8), **kw)
+
+
+def test_routing_under_dynamic_shapes(monkeypatch):
+    """Under torch.compile(dynamic=True) the sizes are SymInts: the predicate compares them (guards), it must
+    not hash them (a dict lookup on head_dim raised "unhashable type: SymInt" in opcheck's dynamic test)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    monkeypatch.setattr(hopper, "_is_sm90", lambda index: True)
+    env = ShapeEnv()
+
+    def symbolic(value, name):
+        symbol = env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(symbol, hint=value)
+
+    with FakeTensorMode(shape_env=env, allow_non_fake_inputs=True):
+        batch, seq, head_dim = symbolic(8, "batch"), symbolic(2048, "seq"), symbolic(128, "head_dim")
+        shape = (batch, 16, seq, head_dim)
+        q, k, v = (torch.empty(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        assert hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, 0, False)
 
 
 def test_routing_off_on_other_gpus(monkeypatch):
@@ -168,7 +190,6 @@ def test_cuda_hopper_forward_matches_reference(case, dtype):
     B, H, Hkv, Sq, Sk, D, causal, bottom_right, bshd = CUDA_CASES[case]
     q, k, v = _cuda_qkv(B, H, Hkv, Sq, Sk, D, dtype, bshd)
     window_right = 0 if causal else -1
-    assert hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, window_right, bottom_right)
     out, lse = attention_ops._alloc_forward(q, v)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
@@ -194,7 +215,8 @@ def test_cuda_calls_take_the_hopper_forward_and_gradients_match(monkeypatch):
     calls = []
     original = attention_ops._hopper_forward
     monkeypatch.setattr(attention_ops, "_hopper_forward", lambda *a: calls.append(1) or original(*a))
-    q, k, v = (t.requires_grad_() for t in _cuda_qkv(2, 8, 2, 1000, 1000, 128, torch.bfloat16, False))
+    # large enough to be routed (MIN_SCORES)
+    q, k, v = (t.requires_grad_() for t in _cuda_qkv(4, 16, 4, 2048, 2048, 128, torch.bfloat16, False))
     out = flash_attention(q, k, v, is_causal=True)
     assert len(calls) == 1
     op_out, _ = torch.ops.flash.attention_forward(q.detach(), k.detach(), v.detach(), None, None, 0.0,
@@ -219,7 +241,7 @@ def test_cuda_calls_take_the_hopper_forward_and_gradients_match(monkeypatch):
 @pytest.mark.cuda
 @needs_hopper
 def test_cuda_hopper_opcheck_and_compile():
-    q, k, v = _cuda_qkv(2, 4, 2, 333, 333, 128, torch.bfloat16, False)
+    q, k, v = _cuda_qkv(4, 16, 4, 2048, 2048, 128, torch.bfloat16, False)  # routed: 2**28 scores
     opcheck(torch.ops.flash.attention_forward_hopper, (q, k, v, 128 ** -0.5, True))
     opcheck(torch.ops.flash.attention_forward, (q, k, v, None, None, 0.0, 128 ** -0.5, -1, 0, False))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -51,6 +51,13 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # query rows per consumer warpgroup: wgmma's M for one warpgroup
 MAX_GRID_Y = 65535  # B * H programs along the grid's second axis
+# Smaller problems keep the Triton forward. An eager call of this kernel costs more host time (four TMA
+# descriptors, Gluon's launcher), and at bench_attention's small rows the eager step is host-bound: ViT-base's
+# 64 x 12 x 197^2 scores (3e7) ran at 0.74x the Triton forward's TFLOP/s, 16 x 16 x 1024^2 at head_dim 64 at
+# 0.91x (bench/logs/bench_attention_hopper_376b0bc_h200.log).
+MIN_SCORES = 1 << 28  # B * H * Sq * Sk
+# Three consumers cover 192 query rows a CTA: at Sq = 1024 the last CTA of a head is two thirds empty.
+MIN_SEQ_Q_THREE_CONSUMERS = 2048
 # (BLOCK_N, STAGES, PINGPONG, CONSUMERS) per (head_dim, causal) routed here: the fastest of
 # bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
 # (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
@@ -311,12 +318,16 @@ def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_
     if not _is_sm90(index):
         return False
     B, H, Sq, D = q.shape
+    Sk = k.shape[2]
     causal = window_right == 0
+    # compared, not hashed: under dynamic shapes D may be a SymInt, which a dict lookup cannot hash
+    configured = any(D == d and causal == c for d, c in CONFIGS)
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and (D, causal) in CONFIGS and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
+            and configured and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
             and window_left == -1 and window_right in (-1, 0)
-            and not (causal and bottom_right and Sq != k.shape[2]) and k.shape[2] > 0
-            and B * H <= MAX_GRID_Y and all(_tma_ok(t) for t in (q, k, v)))
+            and not (causal and bottom_right and Sq != Sk) and Sk > 0
+            and B * H <= MAX_GRID_Y and all(_tma_ok(t) for t in (q, k, v))
+            and B * H * Sq * Sk >= MIN_SCORES and (D != 64 or Sq >= MIN_SEQ_Q_THREE_CONSUMERS))
 
 
 def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
