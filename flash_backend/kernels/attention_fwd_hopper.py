@@ -311,23 +311,26 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right) -> bool:
     """Whether the Gluon forward computes this call (else the Triton forward does). Decided from dtypes,
-    shapes and strides only, so a traced graph and its run agree."""
-    if not GLUON_AVAILABLE or q.device.type != "cuda":
+    shapes and strides only, so a traced graph and its run agree. The cheap checks come first: eager calls
+    of every attention pay this predicate's host time."""
+    if attn_mask is not None or dropout_p != 0.0 or window_left != -1 or window_right not in (-1, 0):
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if not _is_sm90(index):
+    if not GLUON_AVAILABLE or q.device.type != "cuda":
         return False
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     causal = window_right == 0
+    if B * H * Sq * Sk < MIN_SCORES or (D == 64 and Sq < MIN_SEQ_Q_THREE_CONSUMERS) or B * H > MAX_GRID_Y:
+        return False
+    if causal and bottom_right and Sq != Sk:
+        return False
     # compared, not hashed: under dynamic shapes D may be a SymInt, which a dict lookup cannot hash
-    configured = any(D == d and causal == c for d, c in CONFIGS)
-    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and configured and v.shape[-1] == D and attn_mask is None and dropout_p == 0.0
-            and window_left == -1 and window_right in (-1, 0)
-            and not (causal and bottom_right and Sq != Sk) and Sk > 0
-            and B * H <= MAX_GRID_Y and all(_tma_ok(t) for t in (q, k, v))
-            and B * H * Sq * Sk >= MIN_SCORES and (D != 64 or Sq >= MIN_SEQ_Q_THREE_CONSUMERS))
+    if not any(D == d and causal == c for d, c in CONFIGS) or v.shape[-1] != D:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index) and all(_tma_ok(t) for t in (q, k, v))
 
 
 def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
