@@ -687,15 +687,18 @@ def test_other_functions_are_left_alone_and_reported(fn, extra, reason):
     q, k, v = _qkv(B=1, H=8, S=8, D=8)  # B, H, S, D alike, so that mis-laid-out operands still run
     if fn is _k_bshd_permute_mixing_batch_and_heads:
         q, k, v = _qkv(B=8, H=8, S=8, D=8)
+    _assert_left_alone_and_reported(fn, (q, k, v, *extra), reason)
+
+
+def _assert_left_alone_and_reported(fn, args, reason):
+    """No rewrite, one attention near miss whose reason names `reason`, and eager's numbers."""
     torch._dynamo.reset()
     counters.clear()
-    report = flash_backend.explain(fn, q, k, v, *extra, print_report=False)
+    report = flash_backend.explain(fn, *args, print_report=False)
     assert _rewrites() == (0, 1), report
     (decision,) = [d for d in report.near_misses if d.family == "attention"]
     assert reason in decision.detail, decision.line()
-    torch.testing.assert_close(
-        torch.compile(fn, backend=rewrite_only_backend)(q, k, v, *extra), fn(q, k, v, *extra)
-    )
+    torch.testing.assert_close(torch.compile(fn, backend=rewrite_only_backend)(*args), fn(*args))
 
 
 @pytest.mark.parametrize("fn", [_log_softmax, _softmax_of_transposed_scores])
@@ -785,16 +788,7 @@ def test_review_other_functions_are_left_alone(fn, extra, reason):
     # reversed dims of .T, the operand order of ·v were not read
     torch.manual_seed(0)
     q, k, v = _qkv(B=8, H=8, S=8, D=8)
-    extra = extra()
-    torch._dynamo.reset()
-    counters.clear()
-    report = flash_backend.explain(fn, q, k, v, *extra, print_report=False)
-    assert _rewrites() == (0, 1), report
-    (decision,) = [d for d in report.near_misses if d.family == "attention"]
-    assert reason in decision.detail, decision.line()
-    torch.testing.assert_close(
-        torch.compile(fn, backend=rewrite_only_backend)(q, k, v, *extra), fn(q, k, v, *extra)
-    )
+    _assert_left_alone_and_reported(fn, (q, k, v, *extra()), reason)
 
 
 def _baddbmm_where_mask_then_scaled(q, k, v, keep):
