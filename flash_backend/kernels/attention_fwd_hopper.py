@@ -340,11 +340,10 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     block_n, stages, pingpong, consumers = config
-    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     signature = {}
     for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
-        block = [1, 1, rows, head_dim]
-        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+        block, layout = _tile(rows, head_dim, torch_dtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     signature.update(LSE="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32")
     maxnreg, consumer_regs = _REGS[consumers]
@@ -355,12 +354,19 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
 
 
+@functools.cache
+def _tile(rows: int, head_dim: int, dtype: torch.dtype):
+    """The [1, 1, rows, head_dim] tile of a descriptor and its shared-memory layout (cached: every eager call
+    builds four descriptors)."""
+    block = [1, 1, rows, head_dim]
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return block, gl.NVMMASharedLayout.get_default_for(block, element)
+
+
 def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """A (B, H, S, D) descriptor of t's own strides, loading [1, 1, block_rows, D] tiles."""
-    block = [1, 1, block_rows, t.shape[-1]]
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, element)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    block, layout = _tile(block_rows, t.shape[-1], t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
 
 def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None):
