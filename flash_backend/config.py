@@ -53,6 +53,12 @@ cross_entropy_on_cuda: bool = _env_flag("FLASH_BACKEND_CROSS_ENTROPY", True)
 # 1.06-1.32x the Triton forward on the H200 (bench/logs/attention_gluon_probe*_h200.log). Off
 # (FLASH_BACKEND_HOPPER_ATTENTION=0): every call takes the Triton forward.
 hopper_attention_forward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION", True)
+# Likewise flash::attention_backward and the Gluon backward (kernels/attention_bwd_hopper.py: sm_90, head_dim
+# 64 / 128, no mask / dropout / window, not under deterministic algorithms): 1.06-1.34x the Triton backward
+# on the H200 (bench/logs/attention_gluon_bwd_probe_h200.log). FLASH_BACKEND_HOPPER_ATTENTION=0 turns both
+# off; FLASH_BACKEND_HOPPER_ATTENTION_BACKWARD decides the backward alone.
+hopper_attention_backward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION_BACKWARD",
+                                            hopper_attention_forward)
 
 # Not a rewrite switch: eager calls of flash_attention / add_dropout_norm on plain CUDA tensors skip the
 # dispatcher (flash_backend/ops/_eager.py); off sends every call through the registered torch.ops.flash ops.

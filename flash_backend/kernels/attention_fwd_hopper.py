@@ -303,9 +303,10 @@ def _is_sm90(index: int) -> bool:
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA's layout rules: a contiguous last dim, every other stride and the start 16-byte aligned."""
+    """TMA's layout rules: a contiguous last dim, every other stride and the start 16-byte aligned. A
+    broadcast (stride-0) dim, which expand() makes, is left to the Triton kernels as well."""
     align = 16 // t.element_size()
-    strides_ok = all(s % align == 0 for s in t.stride()[:-1])
+    strides_ok = all(s % align == 0 and s > 0 for s in t.stride()[:-1])
     return t.stride(-1) == 1 and strides_ok and t.storage_offset() % align == 0
 
 

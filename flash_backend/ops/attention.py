@@ -386,9 +386,42 @@ def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bot
     return _alloc_forward(q, v)
 
 
+def _hopper_backward(dout, q, k, v, out, lse, scale, causal):
+    """dq, dk, dv from the Gluon backward for Hopper (kernels/attention_bwd_hopper.py)."""
+    from flash_backend.kernels.attention_bwd_hopper import attention_backward_hopper_launch
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
+    return dq, dk, dv
+
+
+# Opaque in traced graphs for the same reason as flash::attention_forward_hopper.
+@torch.library.custom_op("flash::attention_backward_hopper", mutates_args=(), device_types="cuda")
+def attention_backward_hopper(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, scale: float,
+                              causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _hopper_backward(dout, q, k, v, out, lse, scale, causal)
+
+
+@attention_backward_hopper.register_fake
+def _(dout, q, k, v, out, lse, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
                             window_right, bottom_right, compute_dbias, deterministic, launch=traced_launch):
     """The body of flash::attention_backward; `launch` is plain_launch on the eager fast path."""
+    if _kernels_enabled(q) and config.hopper_attention_backward:
+        from flash_backend.kernels.attention_bwd_hopper import hopper_backward_supported
+
+        if hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
+                                     deterministic):
+            causal = window_right == 0
+            if launch is plain_launch:  # the eager fast path: no dispatcher
+                dq, dk, dv = _hopper_backward(dout, q, k, v, out, lse, scale, causal)
+            else:
+                dq, dk, dv = torch.ops.flash.attention_backward_hopper(dout, q, k, v, out, lse, scale, causal)
+            return dq, dk, dv, _alloc_dbias(q, attn_mask, compute_dbias)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = _alloc_dbias(q, attn_mask, compute_dbias)
     if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):

@@ -1,0 +1,396 @@
+"""Attention backward for Hopper (sm_90) in Gluon: FlashAttention-3's structure, for the plain cases.
+
+Why a second backward: the Triton backward (kernels/attention_bwd.py) runs at ~0.7x cuDNN's backward on
+the H200 (bench/results/attention.json, session 22), and like the forward (kernels/attention_fwd_hopper.py)
+what it lacks is warp specialisation and asynchronous wgmma, which Gluon exposes. The work of one CTA:
+
+- a key block of BLOCK_N = 128 keys of one (batch, kv head), split between two consumer warpgroups of 64
+  keys each (wgmma's M per warpgroup); each keeps its K and V rows in shared memory and its dK and dV in
+  fp32 registers for the whole kernel;
+- a producer warp streams the query blocks (BLOCK_M rows of Q and dO, TMA) through a STAGES-deep ring,
+  for every query head of the kv head's GQA group in turn (dK / dV of a group sum in registers, no atomics);
+- per query block each consumer computes, transposed so that its key rows are wgmma's M:
+      S^T = K Q^T,  dP^T = V dO^T             (asynchronous, issued together)
+      P^T = exp2(S^T * scale * log2 e - lse),  dS^T = P^T (dP^T - delta)
+      dV += P^T dO,  dK += dS^T Q             (P^T and dS^T straight from registers, as wgmma's A)
+  and dS^T goes to shared memory, where both warpgroups' halves form dS for the 128 keys:
+      dQ[:, half] = dS K[:, half]             (each warpgroup one half of head_dim, or, at head_dim 64,
+                                               the warpgroups take turns over the query blocks)
+  which, scaled by the softmax scale, goes to shared memory and from there is added into an fp32
+  (B * H, Sq, head_dim) buffer by TMA's reduce-add: one asynchronous bulk operation a warpgroup, where
+  per-element atomics from registers measured 0.67-0.84x cuDNN's backward against 0.86-1.06x this way
+  (bench/logs/attention_gluon_bwd_probe_h200.log and session 23's notes).
+
+It is not deterministic (the atomics' order): with `torch.use_deterministic_algorithms(True)` the Triton
+backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask, dropout or
+window, causal top-left), head_dim 64 or 128.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from flash_backend.kernels.attention_fwd_hopper import (
+    GLUON_AVAILABLE,
+    LOG2E,
+    MAX_GRID_Y,
+    _is_sm90,
+    _tma_ok,
+)
+
+if GLUON_AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    try:  # TMA's reduce-add (cp.reduce.async.bulk.tensor): Gluon 3.6 has the op but no function for it
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+            """Add the shared-memory tile src into global memory at coord, asynchronously (a bulk group:
+            tma.store_wait covers it), as tma.async_copy_shared_to_global stores it."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                                      coord, src.handle)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+        GLUON_AVAILABLE = False
+
+KEYS_PER_CONSUMER = 64  # wgmma's M for one warpgroup
+BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
+# head_dim -> (BLOCK_M, STAGES): query rows an iteration and the depth of the Q / dO ring, the faster of
+# bench/attention_gluon_bwd_probe.py's on the H200 (3 stages 1.00-1.07x 2 at head_dim 128 except GQA, 0.99x;
+# a tie at 64). BLOCK_M 128 at head_dim 64 spills 632 bytes (sm_90 ptxas).
+CONFIGS = {64: (64, 2), 128: (64, 3)}
+MIN_SCORES = 1 << 28  # as the forward: smaller problems are host-bound and keep the Triton backward
+_PRODUCER_REGS = 24
+_MAXNREG, _CONSUMER_REGS = 168, 240  # two consumer warpgroups and a producer warp (the forward's budget)
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
+                  do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = q_bufs.type.shape[0]
+        # the key block's K and V, both warpgroups' rows, behind one barrier
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for w in gl.static_range(2):
+            coord = [batch, kv_head, n0 + w * KEYS, 0]
+            tma.async_copy_global_to_shared(k_desc, coord, kv_bar, k_tiles.index(w))
+            tma.async_copy_global_to_shared(v_desc, coord, kv_bar, v_tiles.index(w))
+        for it in range(group * n_q_blocks):
+            head = kv_head * group + it // n_q_blocks
+            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
+            stage = it % STAGES
+            # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
+            empty_phase = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(stage), empty_phase)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, m0, 0], q_ready.index(stage),
+                                            q_bufs.index(stage))
+            mbarrier.wait(do_empty.index(stage), empty_phase)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [batch, head, m0, 0], do_ready.index(stage),
+                                            do_bufs.index(stage))
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs,
+                  dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA,
+                  batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
+                  CAUSAL: gl.constexpr):
+        """Consumer warpgroup WG: keys n0 + WG * KEYS onwards."""
+        dtype: gl.constexpr = q_bufs.dtype
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[3]  # q_bufs: [STAGES, 1, 1, BLOCK_M, HEAD_DIM]
+        HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+        KEYS: gl.constexpr = k_tiles.type.shape[3]  # k_tiles: [2, 1, 1, KEYS, HEAD_DIM]
+        STAGES: gl.constexpr = q_bufs.type.shape[0]
+        # head_dim >= 128: each warpgroup computes dQ for one half of head_dim every iteration; at 64 the
+        # half (32 columns) is narrower than shared memory's 128-byte swizzle, so the warpgroups take turns
+        # and compute all of dQ every other iteration
+        DQ_SPLIT: gl.constexpr = HEAD_DIM >= 128
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if DQ_SPLIT else HEAD_DIM
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
+
+        first_key = n0 + WG * KEYS
+        keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        k_smem = k_tiles.index(WG).reshape([KEYS, HEAD_DIM])
+        v_smem = v_tiles.index(WG).reshape([KEYS, HEAD_DIM])
+        # dQ's B operands: the columns this warpgroup computes, of both warpgroups' K rows
+        if DQ_SPLIT:
+            k0_cols = k_tiles.index(0).reshape([KEYS, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            k1_cols = k_tiles.index(1).reshape([KEYS, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        else:
+            k0_cols = k_tiles.index(0).reshape([KEYS, HEAD_DIM])
+            k1_cols = k_tiles.index(1).reshape([KEYS, HEAD_DIM])
+        dq_smem = dq_tiles.index(WG).reshape([BLOCK_M, DQ_COLS])
+        dq_col0 = WG * DQ_COLS if DQ_SPLIT else 0
+        zero_s = gl.full([KEYS, BLOCK_M], 0.0, gl.float32, s_layout)
+        zero_dq = gl.full([BLOCK_M, DQ_COLS], 0.0, gl.float32, dq_layout)
+        dk = gl.full([KEYS, HEAD_DIM], 0.0, gl.float32, kv_layout)
+        dv = gl.full([KEYS, HEAD_DIM], 0.0, gl.float32, kv_layout)
+        mbarrier.wait(kv_bar, 0)
+
+        n_iter = group * n_q_blocks
+        for it in range(n_iter):
+            head = kv_head * group + it // n_q_blocks
+            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
+            stage = it % STAGES
+            phase = (it // STAGES) & 1
+            q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_ready.index(stage), phase)
+            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # the query rows' logsumexp (natural log; +inf past seq_q, so that P is 0 there) and
+            # delta = rowsum(dO * O), loaded while the products run
+            queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            row_base = (batch * num_heads + head).to(gl.int64) * seq_q
+            in_q = queries < seq_q
+            lse = gl.load(LSE + row_base + queries, mask=in_q, other=float("inf"))
+            lse = lse * 1.4426950408889634  # log2(e): the kernel works in base 2
+            delta = gl.load(DELTA + row_base + queries, mask=in_q, other=0.0)
+
+            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
+            if CAUSAL:
+                if m0 < first_key + KEYS:  # the block has queries before some of these keys
+                    p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), p, 0.0)
+            # dV's product goes out before dP is waited for
+            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
+            dp, _, _ = warpgroup_mma_wait(1, deps=(dp_tok, v_smem, do_smem))
+            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            ds_op = gl.convert_layout(ds, op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+
+            # dS^T to shared memory: dQ needs both warpgroups' key rows. Two buffers, so that one
+            # warpgroup can store the next block's while the other still reads this one's.
+            buf = it % 2
+            ds_phase = (it // 2) & 1
+            mbarrier.wait(ds_empty.index(buf), ds_phase ^ 1)
+            ds_bufs.index(2 * buf + WG).store(ds)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part is stored before the arrive (thread 0's) says so
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), ds_phase)
+            if DQ_SPLIT:
+                computes_dq = True
+            else:
+                computes_dq = it % 2 == WG
+            if computes_dq:  # queued behind dV and dK
+                ds0 = ds_bufs.index(2 * buf).permute((1, 0))  # dS of warpgroup 0's keys, (BLOCK_M, KEYS)
+                ds1 = ds_bufs.index(2 * buf + 1).permute((1, 0))
+                dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                dq = zero_dq
+            mbarrier.arrive(q_empty.index(stage), count=1)
+            mbarrier.arrive(do_empty.index(stage), count=1)
+            mbarrier.arrive(ds_empty.index(buf), count=1)
+            if computes_dq:
+                # dQ leaves through shared memory by TMA reduce-add (rows past seq_q clipped); the previous
+                # one has had an iteration to read its tile
+                tma.store_wait(0)
+                dq_smem.store(dq * scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_add_shared_to_global(dq_desc, [batch * num_heads + head, m0, dq_col0],
+                                          dq_tiles.index(WG))
+
+        # dV leaves through this warpgroup's V tile (no one else reads it); TMA clips keys past seq_k
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, first_key, 0], v_tiles.index(WG))
+        # dK through the K tile, which both warpgroups' dQ products read: wait for the last one
+        if n_iter > 0:
+            last = n_iter - 1
+            mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+        k_smem.store((dk * scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, first_key, 0], k_tiles.index(WG))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
+                                     seq_q, num_heads, group, qk_scale, scale, STAGES: gl.constexpr,
+                                     CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        n0 = gl.program_id(0) * (2 * KEYS)  # causal: the first key blocks have the most queries, go first
+        bkv = gl.program_id(1)
+        num_kv_heads = num_heads // group
+        batch = bkv // num_kv_heads
+        kv_head = bkv % num_kv_heads
+        q_block_start = 0
+        if CAUSAL:
+            q_block_start = n0 // BLOCK_M  # top-left: queries before n0 see none of these keys
+        n_q_blocks = gl.maximum((seq_q + BLOCK_M - 1) // BLOCK_M - q_block_start, 0)
+
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
+                                            do_desc.layout)
+        k_tiles = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_tiles = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], q_desc.dtype)
+        # dS^T tiles, indexed [buffer * 2 + warpgroup]
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, KEYS, BLOCK_M], ds_layout)
+        dq_tiles = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers read every query block
+            mbarrier.init(do_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+        mbarrier.init(kv_bar, count=1)
+
+        # argument tuples written in the call (a tuple in a variable turns its constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer, (0, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
+                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, batch,
+                         kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
+                         CAUSAL)),
+            (_consumer, (1, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
+                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, batch,
+                         kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
+                         CAUSAL)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
+                         do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------- host
+
+
+def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
+                              deterministic) -> bool:
+    """Whether the Gluon backward computes this call (else the Triton backward does): as the Hopper
+    forward's routing, head_dim 64 / 128, and not under deterministic algorithms (dQ's atomics)."""
+    if deterministic or attn_mask is not None or dropout_p != 0.0 or window_left != -1:
+        return False
+    if window_right not in (-1, 0) or not GLUON_AVAILABLE or q.device.type != "cuda":
+        return False
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if B * H * Sq * Sk < MIN_SCORES or B * Hkv > MAX_GRID_Y:
+        return False
+    if window_right == 0 and bottom_right and Sq != Sk:
+        return False
+    # compared, not hashed: under dynamic shapes D may be a SymInt
+    if not any(D == d for d in CONFIGS) or v.shape[-1] != D:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index) and all(_tma_ok(t) for t in (q, k, v))
+
+
+@functools.cache
+def _tile(rows: int, head_dim: int, dtype: torch.dtype):
+    block = [1, 1, rows, head_dim]
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return block, gl.NVMMASharedLayout.get_default_for(block, element)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    block, layout = _tile(block_rows, t.shape[-1], t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+
+
+def _dq_columns(head_dim: int) -> int:
+    """Columns of dQ one warpgroup computes at a time (the kernel's DQ_COLS)."""
+    return head_dim // 2 if head_dim >= 128 else head_dim
+
+
+@functools.cache
+def _dq_tile(block_m: int, head_dim: int):
+    block = [1, block_m, _dq_columns(head_dim)]
+    return block, gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+
+
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
+    """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_m, stages = config or CONFIGS[head_dim]
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    signature = {}
+    for name, rows in (("q_desc", block_m), ("k_desc", KEYS_PER_CONSUMER), ("v_desc", KEYS_PER_CONSUMER),
+                       ("do_desc", block_m), ("dk_desc", KEYS_PER_CONSUMER), ("dv_desc", KEYS_PER_CONSUMER)):
+        block, layout = _tile(rows, head_dim, torch_dtype)
+        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    block, layout = _dq_tile(block_m, head_dim)
+    signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
+    signature.update(LSE="*fp32", DELTA="*fp32", seq_q="i32", num_heads="i32", group="i32",
+                     qk_scale="fp32", scale="fp32")
+    constexprs = dict(STAGES=stages, CAUSAL=causal, PRODUCER_REGS=_PRODUCER_REGS,
+                      CONSUMER_REGS=_CONSUMER_REGS)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=_attention_bwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": 4, "maxnreg": _MAXNREG}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, config=None):
+    """Fill dq, dk, dv with the Gluon backward; the caller checked hopper_backward_supported(...). dk / dv
+    must be TMA-compatible (torch.empty_like of k / v is); dout and out may have any strides."""
+    from flash_backend.kernels.attention_bwd import _attention_bwd_preprocess_kernel
+
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if B * H * Sq == 0 or Sk == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return
+    if not (_tma_ok(dk) and _tma_ok(dv)):
+        raise ValueError("attention_backward_hopper_launch: dk and dv need TMA-compatible strides")
+    if not _tma_ok(dout):
+        dout = dout.contiguous()
+    block_m, stages = config or CONFIGS[D]
+    delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
+    _attention_bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
+        out, dout, delta, *out.stride(), *dout.stride(), H, Sq, HEAD_DIM=D,
+        BLOCK_D=max(triton.next_power_of_2(D), 16), BLOCK_M=64, num_warps=4,
+    )
+    dq_acc = torch.zeros((B * H, Sq, D), dtype=torch.float32, device=q.device)
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
+    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
+    _attention_bwd_hopper_kernel[grid](
+        _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
+        _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER), _descriptor(dv, KEYS_PER_CONSUMER),
+        dq_desc, lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale, STAGES=stages, CAUSAL=causal,
+        PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
+    )
+    dq.copy_(dq_acc.view(B, H, Sq, D))
