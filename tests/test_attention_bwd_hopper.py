@@ -75,6 +75,8 @@ ROUTING = {
     "bshd_layout": (dict(bshd=True), dict(window_right=0), True),
     "fp16": (dict(dtype=torch.float16), {}, True),
     "head_dim_64": (dict(D=64), dict(window_right=0), True),
+    "head_dim_64_causal_short_q": (dict(D=64, B=16, Sq=1024, Sk=1024), dict(window_right=0), False),
+    "head_dim_64_short_q": (dict(D=64, B=16, Sq=1024, Sk=1024), {}, True),
     "deterministic": ({}, dict(deterministic=True), False),  # dQ is added with TMA reduce-add
     "small_problem": (dict(B=1, H=4, Hkv=4, Sq=1000, Sk=1000), {}, False),  # host-bound: MIN_SCORES
     "fp32": (dict(dtype=torch.float32), {}, False),

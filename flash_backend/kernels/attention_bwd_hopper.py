@@ -74,6 +74,12 @@ BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
 # a tie at 64). BLOCK_M 128 at head_dim 64 spills 632 bytes (sm_90 ptxas).
 CONFIGS = {64: (64, 2), 128: (64, 3)}
 MIN_SCORES = 1 << 28  # as the forward: smaller problems are host-bound and keep the Triton backward
+# Causal head_dim 64 below 2048 query rows: the Triton backward's GPU time was shorter (16,16,1024: the Gluon
+# one 0.97x its speed, bench/logs/attention_gluon_bwd_probe_h200.log), and the Gluon launch costs more host
+# time (seven TMA descriptors): that row's eager fwd+bwd fell from 0.46x to 0.37x cuDNN (attention.json at
+# ec3acd5 against efcbc32). From 2048 rows it gains: 1.01-1.02x at 8,16,2048, and 2,16,8192's fwd+bwd went
+# from 0.81x to 0.90x cuDNN.
+MIN_SEQ_Q_CAUSAL_64 = 2048
 _PRODUCER_REGS = 24
 _MAXNREG, _CONSUMER_REGS = 168, 240  # two consumer warpgroups and a producer warp (the forward's budget)
 
@@ -306,7 +312,10 @@ def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window
     Hkv, Sk = k.shape[1], k.shape[2]
     if B * H * Sq * Sk < MIN_SCORES or B * Hkv > MAX_GRID_Y:
         return False
-    if window_right == 0 and bottom_right and Sq != Sk:
+    causal = window_right == 0
+    if causal and bottom_right and Sq != Sk:
+        return False
+    if causal and D == 64 and Sq < MIN_SEQ_Q_CAUSAL_64:
         return False
     # compared, not hashed: under dynamic shapes D may be a SymInt
     if not any(D == d for d in CONFIGS) or v.shape[-1] != D:
