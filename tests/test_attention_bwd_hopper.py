@@ -96,7 +96,6 @@ def test_routing_to_the_hopper_backward(case, monkeypatch):
     backward, which is also the deterministic one."""
     tensor_kw, call_kw, routed = ROUTING[case]
     monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: True)
-    monkeypatch.setattr(hopper_bwd, "_is_sm90", lambda index: True)
     call = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False,
                 deterministic=False) | call_kw
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -110,7 +109,7 @@ def test_routing_to_the_hopper_backward(case, monkeypatch):
 def test_routing_needs_tma_strides(monkeypatch):
     """Inputs TMA cannot describe stay on the Triton backward: a broadcast (expanded, stride-0) head dim of
     k, a row stride that is not 16-byte aligned."""
-    monkeypatch.setattr(hopper_bwd, "_is_sm90", lambda index: True)
+    monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: True)
     kw = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False,
               deterministic=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -123,8 +122,34 @@ def test_routing_needs_tma_strides(monkeypatch):
         assert not hopper_bwd.hopper_backward_supported(q, k, odd_rows, **kw)
 
 
+def test_backward_body_calls_the_opaque_hopper_op(monkeypatch):
+    """flash::attention_backward's body (what Inductor traces) runs the Gluon backward as the opaque op
+    flash::attention_backward_hopper, whose fake allocates dq, dk, dv like the inputs (the (B, S, H, D)
+    layout kept), as the Triton path and the registered fake do."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: True)
+    seen = []
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = _fake_qkv(H=8, Hkv=2, bshd=True)
+        out, dout = torch.empty_like(q), torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device="cuda")
+        with RecordOps():
+            dq, dk, dv, dbias = attention_ops._attention_backward_impl(
+                dout, q, k, v, out, lse, None, None, 0.0, 128 ** -0.5, -1, 0, False, False, False)
+    assert "flash.attention_backward_hopper.default" in seen
+    assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.shape == v.shape
+    assert dbias.numel() == 0
+
+
 def test_routing_off_on_other_gpus(monkeypatch):
-    monkeypatch.setattr(hopper_bwd, "_is_sm90", lambda index: False)
+    monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _fake_qkv()
         assert not hopper_bwd.hopper_backward_supported(q, k, v, None, 0.0, -1, -1, False, False)

@@ -36,9 +36,11 @@ import triton
 from flash_backend.kernels.attention_fwd_hopper import (
     GLUON_AVAILABLE,
     LOG2E,
-    MAX_GRID_Y,
-    _is_sm90,
+    _descriptor,
+    _tile,
     _tma_ok,
+    plain_attention_case,
+    sm90_tma_inputs,
 )
 
 if GLUON_AVAILABLE:
@@ -73,7 +75,6 @@ BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
 # bench/attention_gluon_bwd_probe.py's on the H200 (3 stages 1.00-1.07x 2 at head_dim 128 except GQA, 0.99x;
 # a tie at 64). BLOCK_M 128 at head_dim 64 spills 632 bytes (sm_90 ptxas).
 CONFIGS = {64: (64, 2), 128: (64, 3)}
-MIN_SCORES = 1 << 28  # as the forward: smaller problems are host-bound and keep the Triton backward
 # Causal head_dim 64 below 2048 query rows: the Triton backward's GPU time was shorter (16,16,1024: the Gluon
 # one 0.97x its speed, bench/logs/attention_gluon_bwd_probe_h200.log), and the Gluon launch costs more host
 # time (seven TMA descriptors): that row's eager fwd+bwd fell from 0.46x to 0.37x cuDNN (attention.json at
@@ -302,40 +303,17 @@ if GLUON_AVAILABLE:
 
 def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
                               deterministic) -> bool:
-    """Whether the Gluon backward computes this call (else the Triton backward does): as the Hopper
-    forward's routing, head_dim 64 / 128, and not under deterministic algorithms (dQ's atomics)."""
-    if deterministic or attn_mask is not None or dropout_p != 0.0 or window_left != -1:
+    """Whether the Gluon backward computes this call (else the Triton backward does): what the Gluon forward
+    needs of a call (plain_attention_case), head_dim 64 / 128, causal head_dim 64 from MIN_SEQ_Q_CAUSAL_64
+    query rows, and not under deterministic algorithms (dQ's additions come in any order)."""
+    B, Hkv, Sq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
+    if deterministic or not plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right,
+                                                 bottom_right, B * Hkv):
         return False
-    if window_right not in (-1, 0) or not GLUON_AVAILABLE or q.device.type != "cuda":
-        return False
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    if B * H * Sq * Sk < MIN_SCORES or B * Hkv > MAX_GRID_Y:
-        return False
-    causal = window_right == 0
-    if causal and bottom_right and Sq != Sk:
-        return False
-    if causal and D == 64 and Sq < MIN_SEQ_Q_CAUSAL_64:
+    if window_right == 0 and D == 64 and Sq < MIN_SEQ_Q_CAUSAL_64:
         return False
     # compared, not hashed: under dynamic shapes D may be a SymInt
-    if not any(D == d for d in CONFIGS) or v.shape[-1] != D:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index) and all(_tma_ok(t) for t in (q, k, v))
-
-
-@functools.cache
-def _tile(rows: int, head_dim: int, dtype: torch.dtype):
-    block = [1, 1, rows, head_dim]
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return block, gl.NVMMASharedLayout.get_default_for(block, element)
-
-
-def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    block, layout = _tile(block_rows, t.shape[-1], t.dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+    return any(D == d for d in CONFIGS) and sm90_tma_inputs(q, k, v)
 
 
 def _dq_columns(head_dim: int) -> int:

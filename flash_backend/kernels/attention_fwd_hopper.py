@@ -310,28 +310,47 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and strides_ok and t.storage_offset() % align == 0
 
 
-def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right) -> bool:
-    """Whether the Gluon forward computes this call (else the Triton forward does). Decided from dtypes,
-    shapes and strides only, so a traced graph and its run agree. The cheap checks come first: eager calls
-    of every attention pay this predicate's host time."""
+def plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
+                         grid_rows) -> bool:
+    """What both Gluon kernels (this forward, kernels/attention_bwd_hopper.py's backward) need of a call,
+    short of the device and strides (sm90_tma_inputs): no mask, dropout or window; causal only top-left (or
+    bottom-right with Sq == Sk, the same thing); fp16 / bf16 throughout; v's head_dim q's; at least
+    MIN_SCORES scores; grid_rows (the launch grid's second axis) within CUDA's limit. Cheap checks only,
+    from dtypes and shapes, so that a traced graph and its run agree: eager calls of every attention pay
+    it."""
     if attn_mask is not None or dropout_p != 0.0 or window_left != -1 or window_right not in (-1, 0):
         return False
     if not GLUON_AVAILABLE or q.device.type != "cuda":
         return False
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    causal = window_right == 0
-    if B * H * Sq * Sk < MIN_SCORES or (D == 64 and Sq < MIN_SEQ_Q_THREE_CONSUMERS) or B * H > MAX_GRID_Y:
+    if B * H * Sq * Sk < MIN_SCORES or grid_rows > MAX_GRID_Y or v.shape[-1] != D:
         return False
-    if causal and bottom_right and Sq != Sk:
+    if window_right == 0 and bottom_right and Sq != Sk:
         return False
-    # compared, not hashed: under dynamic shapes D may be a SymInt, which a dict lookup cannot hash
-    if not any(D == d and causal == c for d, c in CONFIGS) or v.shape[-1] != D:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
+    return q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+
+
+def sm90_tma_inputs(q, k, v) -> bool:
+    """q's device is an sm_90 GPU and q, k, v are tensors TMA can describe (the checks that cost most)."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _is_sm90(index) and all(_tma_ok(t) for t in (q, k, v))
+
+
+def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right) -> bool:
+    """Whether the Gluon forward computes this call (else the Triton forward does)."""
+    B, H, Sq, D = q.shape
+    grid_rows = B * H
+    if not plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
+                                grid_rows):
+        return False
+    causal = window_right == 0
+    # compared, not hashed: under dynamic shapes D may be a SymInt, which a dict lookup cannot hash
+    if D == 64 and Sq < MIN_SEQ_Q_THREE_CONSUMERS:
+        return False
+    if not any(D == d and causal == c for d, c in CONFIGS):
+        return False
+    return sm90_tma_inputs(q, k, v)
 
 
 def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
