@@ -21,9 +21,10 @@ what it lacks is warp specialisation and asynchronous wgmma, which Gluon exposes
   per-element atomics from registers measured 0.67-0.84x cuDNN's backward against 0.86-1.06x this way
   (bench/logs/attention_gluon_bwd_probe_h200.log and session 23's notes).
 
-It is not deterministic (the atomics' order): with `torch.use_deterministic_algorithms(True)` the Triton
-backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask, dropout or
-window, causal top-left), head_dim 64 or 128.
+It is not deterministic (the order of dQ's reduce-adds): with `torch.use_deterministic_algorithms(True)` the
+Triton backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask, dropout or
+window, causal top-left, 2**28 scores or more, TMA-compatible strides), head_dim 64 or 128 (causal 64 from
+2048 query rows).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ from flash_backend.kernels.attention_fwd_hopper import (
 )
 
 if GLUON_AVAILABLE:
+    from triton._C.libtriton import gluon_ir as _gluon_ir
+    from triton._C.libtriton import ir as _ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin as _builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -55,19 +59,18 @@ if GLUON_AVAILABLE:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    try:  # TMA's reduce-add (cp.reduce.async.bulk.tensor): Gluon 3.6 has the op but no function for it
-        from triton._C.libtriton import ir as _ir
-        from triton.experimental.gluon.language._core import builtin as _builtin
+    # TMA's reduce-add (cp.reduce.async.bulk.tensor): Gluon 3.6's builder has the op but the language no
+    # function for it. Without it (another Triton), every call takes the Triton backward.
+    GLUON_AVAILABLE = hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(
+        _ir, "DESCRIPTOR_REDUCE_KIND")
 
-        @_builtin
-        def _tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
-            """Add the shared-memory tile src into global memory at coord, asynchronously (a bulk group:
-            tma.store_wait covers it), as tma.async_copy_shared_to_global stores it."""
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
-                                                      coord, src.handle)
-    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
-        GLUON_AVAILABLE = False
+    @_builtin
+    def _tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile src into global memory at coord, asynchronously (a bulk group:
+        tma.store_wait covers it), as tma.async_copy_shared_to_global stores it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
 KEYS_PER_CONSUMER = 64  # wgmma's M for one warpgroup
 BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
@@ -307,8 +310,10 @@ def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window
     needs of a call (plain_attention_case), head_dim 64 / 128, causal head_dim 64 from MIN_SEQ_Q_CAUSAL_64
     query rows, and not under deterministic algorithms (dQ's additions come in any order)."""
     B, Hkv, Sq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
-    if deterministic or not plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right,
-                                                 bottom_right, B * Hkv):
+    if deterministic or not GLUON_AVAILABLE:
+        return False
+    if not plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
+                                B * Hkv):
         return False
     if window_right == 0 and D == 64 and Sq < MIN_SEQ_Q_CAUSAL_64:
         return False
