@@ -358,7 +358,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
 
 def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, config=None):
     """Fill dq, dk, dv with the Gluon backward; the caller checked hopper_backward_supported(...). dk / dv
-    must be TMA-compatible (torch.empty_like of k / v is); dout and out may have any strides."""
+    must be TMA-compatible (torch.empty_like of k / v is); dout, out and lse may have any strides."""
     from flash_backend.kernels.attention_bwd import _attention_bwd_preprocess_kernel
 
     B, H, Sq, D = q.shape
@@ -370,6 +370,7 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
         raise ValueError("attention_backward_hopper_launch: dk and dv need TMA-compatible strides")
     if not _tma_ok(dout):
         dout = dout.contiguous()
+    lse = lse.contiguous()  # the kernel indexes it as (B * H, Sq); the forward's already is
     block_m, stages = config or CONFIGS[D]
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
     _attention_bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
