@@ -5,6 +5,7 @@ Those APIs move between torch releases; the project runs on torch 2.11 (GPU mach
 
 from __future__ import annotations
 
+import torch
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor import list_mode_options
@@ -26,7 +27,7 @@ try:
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.utils._sympy.symbol import SymT, symbol_is_type
 except ImportError:  # pragma: no cover - a torch without dynamic float inputs
-    TensorifyScalarRestartAnalysis = TensorifyState = None
+    TensorifyScalarRestartAnalysis = TensorifyState = SymT = symbol_is_type = None
 
 
 def restart_with_specialised_floats(symbols) -> None:
@@ -47,7 +48,19 @@ def restart_with_specialised_floats(symbols) -> None:
     raise TensorifyScalarRestartAnalysis
 
 
+def float_input_symbols(value) -> set | None:
+    """The float-input symbols (zf0, ...) a SymFloat is computed from when it is computed from those alone
+    (``math.sqrt(2 / math.pi)`` with math.pi a dynamic float input), else None (a size, a data-dependent
+    value, a torch without dynamic float inputs)."""
+    expr = getattr(getattr(value, "node", None), "_expr", None)
+    if SymT is None or not isinstance(value, torch.SymFloat) or expr is None or not expr.free_symbols:
+        return None
+    symbols = set(expr.free_symbols)
+    return symbols if all(symbol_is_type(s, SymT.FLOAT) for s in symbols) else None
+
+
 __all__ = [
+    "float_input_symbols",
     "CustomGraphPass",
     "compile_fx",
     "counters",

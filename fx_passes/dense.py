@@ -35,7 +35,11 @@ The GELU after it:
   or ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid
   over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within
   rounding (a constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function).
-  Which one it is decides ``approximate``: an erf GELU never becomes a tanh one.
+  Which one it is decides ``approximate``: an erf GELU never becomes a tanh one. A float the subgraph
+  computes from dynamo's float inputs alone (dynamic=True makes ``math.pi`` in NewGELU's
+  ``math.sqrt(2.0 / math.pi)``, and module float attributes, graph inputs) is read as its value and, when the
+  rewrite is made, specialised: dynamo guards on it and retraces with it constant, as the norm pass does for
+  eps. A number computed from a size is no such constant.
 
 Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
 F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
@@ -59,6 +63,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
+from fx_passes._compat import float_input_symbols, restart_with_specialised_floats
 from fx_passes._match import (
     arg,
     binary_other,
@@ -72,6 +77,7 @@ from fx_passes._match import (
     op_name,
     state_crossing,
     tensor_meta,
+    val,
     written_before_end,
 )
 from fx_passes._report import record_near_miss, record_rewrite
@@ -90,6 +96,10 @@ _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 _WIDE = torch.logspace(-8.0, 8.0, 161, dtype=torch.float64)
 _GRID = torch.cat([torch.linspace(-8.0, 8.0, 2001, dtype=torch.float64), _WIDE, -_WIDE,
                    torch.zeros(1, dtype=torch.float64)])
+
+
+# The symbols of dynamo's float inputs (zf0, ...) whose values this run of the pass baked in; see rewrite().
+_float_inputs_to_specialise: list = []
 
 
 class _Miss(Exception):
@@ -258,22 +268,42 @@ def _descendants(h: torch.fx.Node, limit: int) -> list[torch.fx.Node]:
     return found
 
 
-def _ancestors_within(end: torch.fx.Node, h: torch.fx.Node, allowed: set[torch.fx.Node]):
+def _symbolic_constant(node: torch.fx.Node) -> float | None:
+    """The value (for this example) of a node computing a Python float from dynamo's float inputs alone, else
+    None. dynamic=True makes float globals and module float attributes graph inputs: transformers' NewGELU,
+    ``math.sqrt(2.0 / math.pi)``, then computes its constant in the graph from math.pi. A size (SymInt) or
+    a tensor is never such a constant."""
+    v = val(node)
+    if float_input_symbols(v) is None or not is_number(v.node.hint):
+        return None
+    return float(v.node.hint)
+
+
+def _ancestors_within(end: torch.fx.Node, h: torch.fx.Node, allowed: set[torch.fx.Node],
+                      constants: dict[torch.fx.Node, float]):
+    """The nodes end is computed by from h within allowed, else None. A float computed from float inputs
+    alone (_symbolic_constant) is a leaf, put in constants with its value."""
     region, stack = set(), [end]
     while stack:
         n = stack.pop()
-        if n is h or n in region:
+        if n is h or n in region or n in constants:
             continue
         if n not in allowed:
-            return None
+            c = _symbolic_constant(n)
+            if c is None:
+                return None
+            constants[n] = c
+            continue
         region.add(n)
         stack.extend(n.all_input_nodes)
     return region
 
 
-def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, x: torch.Tensor):
-    """The region as a function of h, run in fp64 on x (None if it is not pure pointwise math)."""
-    values = {h: x}
+def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, x: torch.Tensor,
+              constants: dict[torch.fx.Node, float] | None = None):
+    """The region as a function of h, run in fp64 on x (None if it is not pure pointwise math); the nodes in
+    constants read as those numbers."""
+    values = {h: x, **(constants or {})}
     for n in sorted(region, key={m: i for i, m in enumerate(h.graph.nodes)}.get):
         if op_name(n) not in _POINTWISE or n.op not in ("call_function", "call_method"):
             return None
@@ -292,33 +322,35 @@ def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, 
 
 
 def _match_written_out(h: torch.fx.Node):
-    """(approximate, end, region) for GELU written out on h, else None."""
+    """(approximate, end, region, constants) for GELU written out on h, else None. constants: the symbolic
+    floats it reads (_symbolic_constant), with their values, which a rewrite bakes in."""
     candidates = _descendants(h, _MAX_WRITTEN_OUT)
     allowed = set(candidates)
     with torch.no_grad():
         ref = {a: torch.nn.functional.gelu(_GRID, approximate=a) for a in ("none", "tanh")}
     for end in candidates:
-        region = _ancestors_within(end, h, allowed)
+        constants: dict[torch.fx.Node, float] = {}
+        region = _ancestors_within(end, h, allowed, constants)
         if region is None or sum(op_name(n) in _TRANSCENDENTAL for n in region) != 1:
             continue
         if any(u not in region for n in region - {end} for u in n.users):
             continue  # an intermediate feeds something else; h's other users are reported by the caller
         try:
-            y = _evaluate(region, h, end, _GRID)
+            y = _evaluate(region, h, end, _GRID, constants)
         except Exception:  # noqa: BLE001 - not evaluable: not a GELU we recognise
             y = None
         if not isinstance(y, torch.Tensor) or y.shape != _GRID.shape:
             continue
         for approximate, r in ref.items():
             if bool(((y - r).abs() <= 1e-9 * r.abs().clamp_min(1.0)).all()):
-                if not _same_in_dtype(region, h, end, approximate):
+                if not _same_in_dtype(region, h, end, approximate, constants):
                     break
-                return approximate, end, region
+                return approximate, end, region, constants
     return None
 
 
 def _same_in_dtype(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node,
-                   approximate: str) -> bool:
+                   approximate: str, constants: dict[torch.fx.Node, float] | None = None) -> bool:
     """The region run in h's own dtype is the GELU to within rounding: a constant that under- or overflows
     there (``h * 1e-50 * 1e50`` in fp32, ``h * 1e5 / 1e5`` in fp16) is another function (0, inf, nan) that
     fp64 does not show."""
@@ -329,7 +361,7 @@ def _same_in_dtype(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.N
     xs = xs[xs.isfinite()]
     try:
         with torch.no_grad():
-            y = _evaluate(region, h, end, xs)
+            y = _evaluate(region, h, end, xs, constants)
     except Exception:  # noqa: BLE001 - not evaluable in that dtype: not provably the same function
         return False
     if not isinstance(y, torch.Tensor) or y.shape != xs.shape:
@@ -341,18 +373,19 @@ def _same_in_dtype(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.N
 
 
 def _gelu_after(h: torch.fx.Node):
-    """(variant, approximate, end, region) of the GELU applied to h, else None."""
+    """(variant, approximate, end, region, constants) of the GELU applied to h, else None."""
     for u in h.users:
         if is_op(u, "gelu"):
             approximate = arg(u, 1, "approximate", "none")
             if approximate not in ("none", "tanh"):
                 raise _Miss(f"F.gelu approximate={approximate!r} is not 'none' or 'tanh'")
-            return "F.gelu" + ("(tanh)" if approximate == "tanh" else ""), approximate, u, {u}
+            return "F.gelu" + ("(tanh)" if approximate == "tanh" else ""), approximate, u, {u}, {}
     found = _match_written_out(h)
     if found is None:
         return None
-    approximate, end, region = found
-    return f"GELU written out ({'tanh' if approximate == 'tanh' else 'erf'})", approximate, end, region
+    approximate, end, region, constants = found
+    variant = f"GELU written out ({'tanh' if approximate == 'tanh' else 'erf'})"
+    return variant, approximate, end, region, constants
 
 
 def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
@@ -404,7 +437,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     gelu = _gelu_after(h)
     if gelu is None:
         return False
-    gelu_variant, approximate, end, region = gelu
+    gelu_variant, approximate, end, region, constants = gelu
     variant = f"{variant}{spelled} + {gelu_variant}"
     outside = [u for u in h.users if u not in region]
     if outside:
@@ -481,6 +514,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
         fused = insert_call(graph, view.target if view.op == "call_function" else _method(view.target),
                             (fused, *view.args[1:]), dict(view.kwargs), like=view)
     end.replace_all_uses_with(fused)
+    for node in constants:  # baked in: dynamo guards on them and retraces with them constant (see rewrite())
+        v = val(node)
+        float(v)
+        _float_inputs_to_specialise.extend(float_input_symbols(v))
     record_rewrite(FAMILY, variant, _OP_NAME, linear)
     operands = linear.all_input_nodes
     erase_unused(graph, region | {h, linear, *adds, *filter(None, [view])})
@@ -496,6 +533,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
         return
+    _float_inputs_to_specialise.clear()
     linears = [n for n in graph.nodes if is_op(n, "linear", "addmm", "matmul", "mm", "einsum")]
     for node in linears:
         if node.graph is not graph:
@@ -504,4 +542,9 @@ def rewrite(graph: torch.fx.Graph) -> None:
             _rewrite_one(graph, fn, node)
         except _Miss as miss:
             record_near_miss(FAMILY, "Linear + GELU", str(miss), node)
+    if _float_inputs_to_specialise:
+        # dynamic=True made a float the GELU reads (math.pi) a graph input and a rewrite baked its value in:
+        # restart dynamo's analysis with it a constant, as the norm pass does; the decisions of this run are
+        # not counted (fx_passes/_report.py: committed_only).
+        restart_with_specialised_floats(_float_inputs_to_specialise)
 

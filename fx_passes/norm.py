@@ -54,7 +54,9 @@ after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + e
 eps added to or a clamp of the 2-norm's root mean square (``x / (norm * N ** -0.5 + eps)``, Zhang &
 Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains'). So is a pattern one of whose tensors is
 written in place before it ends (dynamo reads it by one node before and after the write); and a cast that
-loses values (bf16 -> fp16 loses range) is never folded as an upcast.
+loses values (bf16 -> fp16 loses range) is never folded as an upcast. Nor is a hand-written statistic computed
+in float16 (its squares, a ``var`` / ``var_mean``, a 2-norm; not upcast first): it overflows past 65504, a
+square once |x| > 256, where the fused op's fp32 statistics do not, and eager's output is then 0 or NaN.
 """
 
 from __future__ import annotations
@@ -214,6 +216,28 @@ def _check_last_dim(src: torch.fx.Node, dim, keepdim: bool, what: str) -> None:
         raise _Miss(f"{what} reduces over dim {_dims_text(dim)} of a {ndim}-d tensor, not only the last dim")
     if not keepdim:
         raise _Miss(f"{what} has no keepdim=True")
+
+
+def _float16_reason(node: torch.fx.Node, what: str) -> str | None:
+    """Why a statistic the hand-written norm computes in float16 is another function, or None.
+
+    The squares ``x * x`` (and a variance, a 2-norm) rounded to float16 overflow past 65504, a square once
+    |x| > 256, common in fp16 activations: eager's statistic is then inf and its output 0 or NaN. The fused
+    op, like F.layer_norm / F.rms_norm, computes them in float32. (A sum of squares was already reported,
+    see _sum_over_count; ``x - mean`` and a standard deviation overflow only for values near float16's own
+    limit, where the input itself is out of range, and are left as they are.)"""
+    t = tensor_meta(node)
+    if t is None or t.dtype != torch.float16:
+        return None
+    return (f"{what} is computed in float16, which overflows past 65504 (a square once |x| > 256) where the "
+            "fused op computes in float32: not the same function (upcast first, x.float(), as Llama's and "
+            "T5's RMSNorm do)")
+
+
+def _check_not_float16(node: torch.fx.Node, what: str) -> None:
+    reason = _float16_reason(node, what)
+    if reason is not None:
+        raise _Miss(reason)
 
 
 def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
@@ -594,6 +618,7 @@ def _match_rms(mean: _Mean) -> _Core | None:
         return None
     variant = "hand-written RMSNorm"
     _check_mean(mean, "the mean of squares")
+    _check_not_float16(mean.src, f"the square {mean.src.name}")
     eps, nodes, root, is_sqrt = chain
     n = tensor_meta(mean.src).shape[-1]
     # T5 squares x.float() but scales x itself: the same values, as upcasts are exact.
@@ -648,6 +673,7 @@ def _match_layer(mean: _Mean) -> _Core | None:
     if isinstance(stat, _Mean):
         reduction = None
         _check_mean(replace(stat, keepdim=stat.keepdim or back is not None), "the variance")
+        _check_not_float16(stat.src, f"the squared centred value {stat.src.name}")
         inner = {stat.src, *stat.nodes} | {a for a in stat.src.args if isinstance(a, torch.fx.Node)}
     else:
         reduction, inner = stat, {stat}
@@ -724,6 +750,11 @@ def _layer_core(x, subs, reduction, chain, inner: set, anchor, given_back: bool 
         _check_last_dim(reduction.args[0], dim, keepdim or given_back, what)
         if not _biased(reduction):
             reasons.append(f"{what} is unbiased (needs unbiased=False or correction=0, as LayerNorm uses)")
+        # var's result has its input's dtype; a std is left as it is (see _float16_reason)
+        float16 = _float16_reason(reduction.args[0], what) if op_name(reduction) != "std" and \
+            op_name(reduction) != "std_mean" else None
+        if float16 is not None:
+            reasons.append(float16)
     # Every reason is given (the Annotated Transformer's x.std() + eps has two).
     try:
         scaled = _numerator(root, is_sqrt, lambda v: any(_same_value(v, s) for s in subs),
@@ -807,6 +838,7 @@ def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
     if out is None:
         return None
     _check_last_dim(x, dim, keepdim, "the 2-norm")
+    _check_not_float16(norm, f"the 2-norm {norm.name}")
     inner = {norm, rms}
     if out.args[0] is not x and out.args[0] is not _upcast_root(x):
         inner.add(out.args[0])
