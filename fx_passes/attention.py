@@ -38,6 +38,7 @@ from torch.fx import Graph, Node
 from flash_backend import config as flash_config
 from fx_passes._functionalize import IN_PLACE_OPERATORS, functionalize_in_place
 from fx_passes._match import (
+    _is_alias_of_arg0,
     arg,
     bound_arguments,
     in_place_writers,
@@ -827,6 +828,10 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node):
                 continue
             if not _reaches_matmul(scaled[0]):
                 raise _Skip(f"'{x.name}' does not scale the q·kᵀ scores")
+            if not _same_dims(_shape(x) or (), _shape(scaled[0]) or ()):
+                # a one-element constant of more dims than the scores adds leading dims (scores * t[None])
+                raise _Skip(f"'{x.name}' broadcasts the scores {list(_shape(scaled[0]) or [])} to "
+                            f"{list(_shape(x) or [])}")
             if isinstance(scaled[1], tuple):
                 steps.append(("symbolic scale", scaled[1]))
             elif scaled[1] <= 0 or not math.isfinite(scaled[1]):
@@ -1461,28 +1466,34 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
 
     from flash_backend.ops.attention import flash_attention
 
-    q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
-    for kind, factor, _ in cand.q_scales:
-        q_in = insert_call(graph, torch.mul if kind == "mul" else torch.div, (q_in, factor), like=softmax)
-    k_in = _permuted(graph, k_node, cand.k_perm, softmax)
-    v_in = _permuted(graph, v_node, cand.v_perm, softmax)
-    q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
-    mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
-    out = insert_call(
-        graph,
-        flash_attention,
-        (q_in, k_in, v_in),
-        {
-            **_mask_kwargs(mask, is_causal),
-            "dropout_p": cand.dropout_p,
-            "scale": cand.scale_arg(graph, softmax),
-            "enable_gqa": enable_gqa,
-        },
-        like=softmax,
-    )
-    out = layout.output(graph, out, softmax)
-    if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
-        out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
+    before = set(graph.nodes)
+    try:
+        q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
+        for kind, factor, _ in cand.q_scales:
+            q_in = insert_call(graph, torch.mul if kind == "mul" else torch.div, (q_in, factor), like=softmax)
+        k_in = _permuted(graph, k_node, cand.k_perm, softmax)
+        v_in = _permuted(graph, v_node, cand.v_perm, softmax)
+        q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
+        mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
+        out = insert_call(
+            graph,
+            flash_attention,
+            (q_in, k_in, v_in),
+            {
+                **_mask_kwargs(mask, is_causal),
+                "dropout_p": cand.dropout_p,
+                "scale": cand.scale_arg(graph, softmax),
+                "enable_gqa": enable_gqa,
+            },
+            like=softmax,
+        )
+        out = layout.output(graph, out, softmax)
+        if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
+            out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
+        _settle(graph, before, pv, {*cand.chain, softmax, pv})
+    except Exception:
+        _roll_back(graph, before)
+        raise
     pv.replace_all_uses_with(out)
     _erase_dead(graph, cand.chain + cand.masks.nodes())
     details = [
@@ -1519,6 +1530,64 @@ def _erase_dead(graph: Graph, roots):
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
         pending.extend(inputs)
+
+
+def _roll_back(graph: Graph, before: set):
+    """Erase what a rewrite attempt inserted (the nodes not in before), latest first."""
+    for n in reversed([n for n in graph.nodes if n not in before]):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def _first_read(node: Node, relevant: set, order: dict, depth: int = 16) -> float:
+    """The position of the first node in relevant that reads node's values: a view reads them where its
+    own readers do (a cast to another dtype copies: it reads them where it runs), a write into node is no
+    read of it."""
+    first = math.inf
+    for user in node.users:
+        if user not in relevant:
+            continue
+        if (is_in_place(user) and user.args and user.args[0] is node) or user.kwargs.get("out") is node:
+            continue
+        if depth and _is_alias_of_arg0(user) and user.args[0] is node and _dtype(user) == _dtype(node):
+            first = min(first, _first_read(user, relevant, order, depth - 1))
+        else:
+            first = min(first, order[user])
+    return first
+
+
+def _settle(graph: Graph, before: set, anchor: Node, pattern: set):
+    """Move the nodes a rewrite inserted (those not in before) to just before anchor, the pattern's last
+    node, and prove that they read there what the pattern read where it ran; else raise _Skip.
+
+    insert_call puts each new node right after its inputs, which may be before an in-place write to them
+    that the pattern comes after: a KV cache updated in place (``cache[:, :, pos] = k``, ``index_copy_``)
+    or a mask built by item assignment, then read by the attention. At the anchor the op sees those writes
+    as the pattern did. It would also see a write between a read of the pattern and the anchor (``v`` written
+    between the softmax and ``p @ v``, ``q`` after ``q @ kᵀ``), which the pattern did not see: refused."""
+    new = [n for n in graph.nodes if n not in before]
+    new_set = set(new)
+    inputs = {x for n in new for x in n.all_input_nodes if x not in new_set}
+    writes = {x: [w for w in in_place_writers(x) if w not in pattern and w not in new_set] for x in inputs}
+    if any(writes.values()):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # what the pattern's value depends on: the pattern and its ancestors (a mask's factors, k before its
+        # heads were repeated); reads by other nodes do not matter
+        relevant, pending = set(), [n for n in pattern if n in order]
+        while pending:
+            n = pending.pop()
+            if n in relevant or n in new_set:
+                continue
+            relevant.add(n)
+            pending.extend(n.all_input_nodes)
+        for x, writers in writes.items():
+            first = _first_read(x, relevant, order)
+            for w in writers:
+                if first < order[w] < order[anchor]:
+                    raise _Skip(f"'{x.name}' is written in place by '{w.name}' after the attention reads it "
+                                "and before its end: one fused call cannot read both values")
+    for n in new:
+        anchor.prepend(n)
 
 
 def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -1613,23 +1682,29 @@ def _rewrite_sdpa(graph: Graph, node: Node):
 
     from flash_backend.ops.attention import flash_attention
 
-    if ndim == 3:
-        q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
-    mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
-    out = insert_call(
-        graph,
-        flash_attention,
-        (q, k, v),
-        {
-            **_mask_kwargs(mask, is_causal or causal_from_mask),
-            "dropout_p": dropout_p if symbolic_p else float(dropout_p),
-            "scale": scale,
-            "enable_gqa": enable_gqa,
-        },
-        like=node,
-    )
-    if ndim == 3:
-        out = insert_call(graph, torch.squeeze, (out, 0), like=node)
+    before = set(graph.nodes)
+    try:
+        if ndim == 3:
+            q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
+        mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
+        out = insert_call(
+            graph,
+            flash_attention,
+            (q, k, v),
+            {
+                **_mask_kwargs(mask, is_causal or causal_from_mask),
+                "dropout_p": dropout_p if symbolic_p else float(dropout_p),
+                "scale": scale,
+                "enable_gqa": enable_gqa,
+            },
+            like=node,
+        )
+        if ndim == 3:
+            out = insert_call(graph, torch.squeeze, (out, 0), like=node)
+        _settle(graph, before, node, {node})
+    except Exception:
+        _roll_back(graph, before)
+        raise
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
     record_rewrite(FAMILY, variant, "flash_attention", out)
@@ -1716,10 +1791,9 @@ def _rewrite_mha(graph: Graph, node: Node):
         got = tensor_meta(out)
         if want is not None and (got is None or (got.dtype, got.shape) != (want.dtype, want.shape)):
             raise _Skip("the written-out attention would differ in dtype or shape from MultiheadAttention's")
+        _settle(graph, before, node, {node})
     except Exception:
-        for n in reversed(list(graph.nodes)):  # what this attempt inserted (masks.build's nodes too)
-            if n not in before and not n.users:
-                graph.erase_node(n)
+        _roll_back(graph, before)  # what this attempt inserted (masks.build's nodes too)
         raise
     for user in list(node.users):
         user.replace_all_uses_with(out)
@@ -1733,6 +1807,8 @@ def rewrite(graph: torch.fx.Graph) -> None:
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
             continue
         name = op_name(node)
+        if node.op == "call_function" and node.target is torch.special.softmax:  # (input, dim, *, dtype)
+            name = "softmax"
         if name not in ("softmax", "sdpa", "multi_head_attention_forward"):
             continue
         variant = {"sdpa": "scaled_dot_product_attention", "softmax": "softmax attention",
