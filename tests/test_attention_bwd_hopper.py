@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from test_attention_hopper import _cuda_qkv, _fake_qkv
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
@@ -53,15 +54,6 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype):
         report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spills <= SPILL_LIMIT[head_dim], report
-
-
-def _fake_qkv(B=8, H=16, Hkv=16, Sq=2048, Sk=2048, D=128, dtype=torch.bfloat16, bshd=False):
-    if bshd:  # transformers' (B, S, H, D) tensors, transposed for the op
-        return (torch.empty(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.empty(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.empty(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2))
-    shape_q, shape_kv = (B, H, Sq, D), (B, Hkv, Sk, D)
-    return tuple(torch.empty(shape, device="cuda", dtype=dtype) for shape in (shape_q, shape_kv, shape_kv))
 
 
 ROUTING = {
@@ -177,15 +169,6 @@ CUDA_CASES = {
     "d64_causal_odd_gqa": (2, 6, 2, 517, 517, 64, True, False),
     "d64_sq_ne_sk_bshd": (2, 4, 4, 97, 3000, 64, False, True),
 }
-
-
-def _cuda_qkv(B, H, Hkv, Sq, Sk, D, dtype, bshd):
-    if bshd:
-        return (torch.randn(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2),
-                torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2))
-    heads_and_lengths = ((H, Sq), (Hkv, Sk), (Hkv, Sk))
-    return tuple(torch.randn(B, h, s, D, device="cuda", dtype=dtype) for h, s in heads_and_lengths)
 
 
 def _reference_grads(q, k, v, dout, causal, upcast):
