@@ -9,6 +9,12 @@ mask, unless `torch.are_deterministic_algorithms_enabled()`, the dK/dV kernel al
 atomics (kernels/attention_bwd.py: use_atomic_dq). With deterministic algorithms on, and for varlen,
 every path is deterministic.
 
+On Hopper the plain cases (no mask, dropout or window; 2**28 scores or more) run the Gluon kernels in
+FlashAttention-3's structure instead: the forward (kernels/attention_fwd_hopper.py, head_dim 64 / 128 / 256)
+and, unless deterministic algorithms are on, the backward (kernels/attention_bwd_hopper.py, head_dim 64 /
+128), which adds dQ into an fp32 buffer by TMA reduce-add. In traced graphs they are the opaque ops
+flash::attention_forward_hopper / flash::attention_backward_hopper (wrap_triton cannot trace Gluon).
+
 Conventions shared by the reference and the kernels:
 - key j is visible to query i when `i + off - left <= j <= i + off + right` (a negative bound is
   unlimited), off = Sk - Sq for bottom-right alignment and 0 for top-left (SDPA's causal); causal is
