@@ -14,6 +14,11 @@ What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, targe
   ``view``/``reshape``/``flatten``), and ``contiguous()``,
 - at most one cast of fp16/bf16 logits up to fp32 (``.float()``, ``.to(torch.float32)``; transformers'
   causal-LM loss upcasts first),
+- selections of rows: ``logits[..., :-1, :]`` (the causal-LM shift as older transformers models and much
+  training code write it), any index of ints and slices (steps included) on the dimensions before the class
+  one, which it leaves whole, made before any reshape that regroups the rows. The Linear acts row-wise, so
+  that is the loss over every row with the other rows' targets set to ignore_index; the op gets that
+  target (built in the graph by a scatter) and still returns the full logits (_target_of_every_row),
 
 the output of ``F.linear(x, weight, bias)`` (``nn.Linear``), or of a bias-free one plus a class bias of
 shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``), which becomes the op's bias. The
@@ -34,19 +39,20 @@ op does not return log-probabilities. nll_loss's ignore_index and reduction mean
 nll_loss whose input is not a log_softmax (seen through views, transposes and casts) is not a candidate.
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
-probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the
-chain that changes values or row order (a slice, a transpose, a cast down or to fp64, a ``view(dtype)``
-reinterpreting the bits), and logits that do not come from an F.linear, and a tensor the pattern reads
-that is written in place before the loss (the logits scaled in place, ``x.mul_(2)`` between the Linear
-and the loss). For the nll_loss form also: a log_softmax over another dimension, or in another dtype
-(fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step
-between the log_softmax and the nll_loss other than such a reshape (a cast of the log-probabilities, a
-transpose).
+probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the chain
+that changes values or row order (a slice, step or index along the class dimension, a new axis, a tensor
+index, a row selection after a reshape that regrouped the rows, a transpose, a cast down or to fp64, a
+``view(dtype)`` reinterpreting the bits), and logits that do not come from an F.linear, and a tensor the
+pattern reads that is written in place before the loss (the logits scaled in place, ``x.mul_(2)`` between the
+Linear and the loss). For the nll_loss form also: a log_softmax over another dimension, or in another dtype
+(fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step between
+the log_softmax and the nll_loss other than such a reshape (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 import torch.fx
@@ -195,6 +201,49 @@ def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
     return linear, bias
 
 
+def _is_index_number(item: object) -> bool:
+    """An int, or a node computing one (a size under dynamic=True): not a bool, a tensor or None."""
+    if isinstance(item, torch.fx.Node):
+        return isinstance(val(item), torch.SymInt)
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
+def _row_index(step: torch.fx.Node) -> tuple | None:
+    """For ``logits[index]`` that selects rows only (ints and slices on the dimensions before the class
+    one, with an Ellipsis, and the class dimension untouched, its item a full ``:`` or absent): the index
+    with the class item dropped, which selects the same rows of a tensor of the leading shape; else None.
+
+    Rows only, because the Linear acts row-wise: then the sliced logits are the logits of the same rows,
+    and the loss over them the loss over every row with the others ignored (_rewrite_one). A slice, a step
+    or an index along the class dimension, a None (a new axis) or a tensor index is none of that."""
+    if len(step.args) != 2 or step.kwargs:
+        return None
+    index = step.args[1]
+    items = list(index) if isinstance(index, tuple) else [index]
+    out, inp = tensor_meta(step), tensor_meta(step.args[0])
+    if out is None or inp is None or inp.dim() < 2 or out.dim() < 1 or items.count(Ellipsis) > 1:
+        return None
+    if not all(i is Ellipsis or _is_index_number(i) or isinstance(i, slice) and
+               all(p is None or _is_index_number(p) for p in (i.start, i.stop, i.step)) for i in items):
+        return None
+    explicit = len(items) - items.count(Ellipsis)
+    if explicit > inp.dim():
+        return None
+    # Which item indexes the class dimension (the last): the last one when the index ends in it, after an
+    # Ellipsis or spelling out every dimension; none when it stops short (the rest are implicit ':')
+    reaches_last = (Ellipsis in items and items[-1] is not Ellipsis) or explicit == inp.dim()
+    if reaches_last:
+        last = items[-1]
+        full = isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and \
+            statically_known_true(out.shape[-1] == inp.shape[-1])
+        if not full:
+            return None
+        items = items[:-1]
+    if not statically_known_true(out.shape[-1] == inp.shape[-1]) or out.dtype != inp.dtype:
+        return None
+    return tuple(items)
+
+
 def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object]:
     """(the F.linear node, the chain between it and the cross-entropy, whether the chain upcasts, a bias
     added to the Linear's output in the chain or None)."""
@@ -213,11 +262,14 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
         name, source = op_name(node), node.args[0]
         if name in _RESHAPES and _is_reshape_keeping_classes(node, source):
             pass
+        elif name == "getitem" and _row_index(node) is not None:
+            pass
         elif name in _CASTS and not upcast and _is_upcast(node, source):
             upcast = tensor_meta(source).dtype != torch.float32
         else:
             raise _Miss(f"the logits pass through {name or node.target} ({node.name}), which is not a "
-                        "reshape keeping the class dimension last or a single cast up to fp32")
+                        "reshape keeping the class dimension last, a single cast up to fp32 or a selection "
+                        "of rows (an index or slice not along the class dimension)")
         chain.append(node)
         node = source
     return node, chain, upcast, None
@@ -307,6 +359,57 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
     _rewrite_one(graph, fn, nll, args, z, tail, upcasts, "F.nll_loss")
 
 
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    ta, tb = tensor_meta(a), tensor_meta(b)
+    return ta is not None and tb is not None and ta.dim() == tb.dim() and \
+        all(statically_known_true(m == n) for m, n in zip(ta.shape, tb.shape, strict=True))
+
+
+def _row_selections(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The row selections (``logits[..., :-1, :]``) in the chain, the Linear's side first; _Miss when one
+    follows a reshape that regroups the rows: its index then means rows of another shape than x's leading
+    one, which _target_of_every_row indexes."""
+    slices, regrouped = [], None
+    for step in reversed(chain):  # the chain is latest first
+        if is_op(step, "getitem"):
+            if regrouped is not None:
+                raise _Miss(f"the logits are indexed ({step.name}) after {regrouped.name} regrouped their "
+                            "rows")
+            slices.append(step)
+        elif op_name(step) in _RESHAPES and not _same_shape(step, step.args[0]):
+            regrouped = step
+    return slices
+
+
+def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[torch.fx.Node],
+                         target: torch.fx.Node, ignore_index: int, like: torch.fx.Node,
+                         inserted: list[torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(a target for every row of x, the positions of the selected rows among them), inserted into the graph.
+
+    The causal-LM shift, ``F.cross_entropy(logits[..., :-1, :]..., labels[..., 1:]...)``, is the loss over
+    every row of the logits with the dropped rows' targets set to ignore_index: an ignored row adds 0 to
+    the loss and its gradient, and is not counted by reduction='mean'. The op then computes the logits of
+    every row, which it returns as it does without the slice, so the full logits' other users (a model
+    returning ``.logits``) keep reading them, and one GEMM computes both. (Slicing x instead would leave
+    no full logits for them, and computing them again costs the head's GEMM twice.) The positions are those
+    of the selected rows in row-major order: the same index applied to a grid of row numbers, flattened as
+    the loss's (M, V) input is."""
+    def call(fn, *a, **k):
+        node = insert_call(graph, fn, a, k, like=like)
+        inserted.append(node)
+        return node
+
+    lead = call(torch.select, x, -1, 0)  # x's leading shape, whatever its size symbols
+    ones = call(torch.ones_like, lead, dtype=torch.int64, memory_format=torch.contiguous_format)
+    flat = call(torch.reshape, ones, (-1,))
+    grid = call(torch.Tensor.view_as, call(torch.sub, call(torch.cumsum, flat, 0), 1), lead)
+    for step in slices:
+        grid = call(operator.getitem, grid, _row_index(step))
+    positions = call(torch.reshape, grid, (-1,))
+    # (no example value, the op's fake run below fails and reports it, erasing these)
+    return call(torch.scatter, call(torch.full_like, flat, ignore_index), 0, positions, target), positions
+
+
 def _slower_than_unfused(*inputs) -> bool:
     metas = [tensor_meta(t) for t in inputs if t is not None]
     on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
@@ -320,6 +423,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     logits_input and ce, latest first (empty for F.cross_entropy; the log_softmax and the reshapes after
     it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
     linear, chain, upcast, added_bias = _logits_source(logits_input)
+    slices = _row_selections(chain)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
     x, weight, bias = linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
@@ -339,9 +443,15 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     kwargs = {"ignore_index": ignore_index, "reduction": args["reduction"],
               "label_smoothing": float(smoothing),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
+    inserted, target, positions = [], args["target"], None
     if added_bias is not None:  # (1, .., 1, V) -> (V,): the op's bias
         bias = insert_call(graph, torch.reshape, (added_bias, (-1,)), like=logits_node)
-    op_args = (x, weight, bias, args["target"])
+        inserted.append(bias)
+    if slices:
+        target, positions = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
+    op_args = (x, weight, bias, target)
+    # The op's per-row loss (reduction='none') covers every row of x; eager's the selected ones
+    want_rows = val(target) if positions is not None and args["reduction"] == "none" else want_loss
     try:
         try:
             result = fake_call(fn, op_args, kwargs)
@@ -349,22 +459,23 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
             reason = str(e).splitlines()[0][:200]
             raise _Miss(f"{variant}: the fused op does not take these inputs: {reason}") from None
         if not isinstance(result, tuple) or want_loss is None or want_logits is None or \
-                (result[0].dtype, tuple(result[0].shape)) != (want_loss.dtype, tuple(want_loss.shape)) or \
+                want_rows is None or result[0].dtype != want_loss.dtype or \
+                tuple(result[0].shape) != tuple(want_rows.shape) or \
                 (result[1].dtype, tuple(result[1].shape)) != (want_logits.dtype, tuple(want_logits.shape)):
             raise _Miss(f"{variant}: the fused op's (loss, logits) would differ in dtype or shape from "
                         "eager's")
     except _Miss:
-        if added_bias is not None:
-            graph.erase_node(bias)
+        erase_unused(graph, inserted)
         raise
 
     crossing = state_crossing([logits_node, ce])
     if crossing:
-        if added_bias is not None:
-            graph.erase_node(bias)
+        erase_unused(graph, inserted)
         raise _Miss(f"{variant}: {crossing}")
     fused = insert_call(graph, fn, op_args, kwargs, like=ce)
     loss, logits = insert_getitem(graph, fused, 0), insert_getitem(graph, fused, 1)
+    if positions is not None and args["reduction"] == "none":  # back to the selected rows, in their order
+        loss = insert_call(graph, torch.index_select, (loss, 0, positions), like=ce)
     ce.replace_all_uses_with(loss)
     logits_node.replace_all_uses_with(logits)
     record_rewrite(FAMILY, variant + (" (logits upcast to fp32)" if upcast else ""), _OP_NAME, ce)

@@ -41,6 +41,12 @@ The GELU after it:
   rewrite is made, specialised: dynamo guards on it and retraces with it constant, as the norm pass does for
   eps. A number computed from a size is no such constant.
 
+The GELU may read the pre-activation cast up to fp32 (``F.gelu(lin(x).float())``, as code computing
+activations in fp32 writes it) when its fp32 result is cast straight back to the Linear's dtype
+(``.to(x.dtype)``): the op computes the GELU in fp32 and rounds it once to that dtype, which is exactly
+that (_through_upcast). Used in fp32 it is left alone, reported: the op would return it rounded. An fp32
+Linear's ``.float()`` is the identity.
+
 Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
 F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
 operands with ``.to`` in the graph and reports the variant as "(autocast to bfloat16)". Autograd then takes
@@ -87,6 +93,7 @@ FAMILY = "dense"
 _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
 _TRANSCENDENTAL = ("tanh", "erf", "erfc")
+_CASTS = {"float", "to", "type", "half", "bfloat16"}
 _POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "square", *_TRANSCENDENTAL}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 # Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
@@ -401,6 +408,50 @@ def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
     return v
 
 
+def _is_cast(node: torch.fx.Node, source: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """node is ``source.float()`` / ``.to(dtype)`` / ``.type(dtype)`` / ``.half()`` / ``.bfloat16()``, a cast
+    to dtype that keeps the shape and the device (``.to("cuda")`` moves the tensor: not a candidate)."""
+    if op_name(node) not in _CASTS or not node.args or node.args[0] is not source:
+        return False
+    out, inp = tensor_meta(node), tensor_meta(source)
+    return out is not None and inp is not None and out.dtype == dtype and out.device == inp.device and \
+        out.dim() == inp.dim() and all(statically_known_true(a == b) for a, b in zip(out.shape, inp.shape,
+                                                                                     strict=True))
+
+
+def _upcast_after(h: torch.fx.Node) -> torch.fx.Node | None:
+    """The cast to fp32 that is h's only user (``F.gelu(lin(x).float())``), when h is fp16, bf16 or fp32; else
+    None. Exact: every fp16/bf16 value is an fp32 one (and fp32 -> fp32 is the identity)."""
+    ht = tensor_meta(h)
+    if len(h.users) != 1 or ht is None or ht.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    (up,) = h.users
+    return up if _is_cast(up, h, torch.float32) else None
+
+
+def _through_upcast(variant: str, h: torch.fx.Node, up: torch.fx.Node, end: torch.fx.Node,
+                    region: set[torch.fx.Node]) -> tuple[str, torch.fx.Node, set[torch.fx.Node]]:
+    """(variant, end, region) for a GELU of h cast up to fp32 (up); _Miss when that is not the op's function.
+
+    The op computes the GELU of the pre-activation in fp32 (cuBLASLt's epilogue, the Triton passes and
+    ATen's CPU and CUDA GELU all take fp16/bf16 inputs to fp32 first, as does its backward) and rounds it
+    to the Linear's dtype once: round(gelu32(h)). From an fp16/bf16 h, eager's ``F.gelu(h.float())`` is
+    gelu32(h) unrounded, so only ``F.gelu(h.float()).to(h.dtype)`` (``.to(x.dtype)``) is that function,
+    backward too (the cast's backward rounds the GELU's fp32 input gradient to h's dtype, where the op
+    computes it in fp32 and rounds it once). Returning round(gelu32(h)) cast up for an fp32 GELU would drop
+    eager's fp32 precision: left alone. An fp32 h cast to fp32 is h itself."""
+    dtype = tensor_meta(h).dtype
+    if dtype == torch.float32:
+        return variant, end, region
+    name = str(dtype).removeprefix("torch.")
+    downs = [u for u in end.users if _is_cast(u, end, dtype)]
+    if len(end.users) != 1 or not downs:
+        users = ", ".join(u.name for u in end.users) or "nothing"
+        raise _Miss(f"{variant}: the GELU of the {name} pre-activation cast up to fp32 is used in fp32 (by "
+                    f"{users}): the fused op rounds it to {name}; not fused")
+    return f"{variant} (in fp32, cast back to {name})", downs[0], region | {end}
+
+
 # --------------------------------------------------------------------------------------------------
 # Rewrite
 # --------------------------------------------------------------------------------------------------
@@ -434,12 +485,16 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     added, spelled = _added_biases(h, bias is not None)
     if added:
         h = added[-1][0]
-    gelu = _gelu_after(h)
+    up = _upcast_after(h)
+    gelu = _gelu_after(up if up is not None else h)
     if gelu is None:
         return False
     gelu_variant, approximate, end, region, constants = gelu
     variant = f"{variant}{spelled} + {gelu_variant}"
-    outside = [u for u in h.users if u not in region]
+    if up is not None:
+        region = region | {up}
+        variant, end, region = _through_upcast(variant, h, up, end, region)
+    outside = [u for n in (h, *filter(None, [up])) for u in n.users if u not in region]
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
