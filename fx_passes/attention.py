@@ -724,14 +724,19 @@ def _fill_value(fill) -> float | None:
     return value
 
 
-def _row_max_of(node, x: Node, consumer: Node) -> list[Node] | None:
-    """The nodes of `x.amax(-1, keepdim=True)` (or `x.max(-1, keepdim=True).values` / `[0]`, detached or
-    not) when node is that row max of x, used by consumer only, outermost first; else None.
+def _over_last_dim_keepdim(node: Node, ndim: int) -> bool:
+    """Whether a reduction node reduces the last dim only, keeping it (``dim=-1, keepdim=True``, or NumPy's
+    ``axis=`` / ``keepdims=``, which torch takes too): a result that broadcasts back along that dim alone.
+    Without keepdim the (..., Sq) result would broadcast against the key dim instead."""
+    dim = arg(node, 1, "dim", node.kwargs.get("axis"))
+    keepdim = arg(node, 2, "keepdim", node.kwargs.get("keepdims", False))
+    return norm_dim(dim, ndim) == ndim - 1 and keepdim is True
 
-    softmax(x - c) == softmax(x) for any finite c constant along the key dim, and a row max is finite
-    unless the row is entirely -inf (every key masked: the documented case where the op returns 0).
-    Other reductions are not taken: a row min or mean is -inf as soon as one key is masked.
-    """
+
+def _row_max_nodes(node, x: Node) -> list[Node] | None:
+    """The nodes of `x.amax(-1, keepdim=True)` (or `x.max(-1, keepdim=True).values` / `[0]`, detached or
+    not) when node is that row max of x, outermost first; else None. Who else reads them is the caller's
+    to check."""
     chain = []
     while isinstance(node, Node) and op_name(node) == "detach":
         chain.append(node)
@@ -749,15 +754,127 @@ def _row_max_of(node, x: Node, consumer: Node) -> list[Node] | None:
         return None
     chain.append(node)
     shape = _shape(x)
-    if (
-        node.args[0] is not x
-        or shape is None
-        or norm_dim(arg(node, 1, "dim"), len(shape)) != len(shape) - 1
-        or arg(node, 2, "keepdim", False) is not True
-        or any(not _single_user(n, user) for n, user in zip(chain, [consumer] + chain[:-1], strict=True))
+    if node.args[0] is not x or shape is None or not _over_last_dim_keepdim(node, len(shape)):
+        return None
+    return chain
+
+
+def _row_max_of(node, x: Node, consumer: Node) -> list[Node] | None:
+    """The nodes of x's row max (_row_max_nodes) when node is that and is used by consumer only, outermost
+    first; else None.
+
+    softmax(x - c) == softmax(x) for any finite c constant along the key dim, and a row max is finite
+    unless the row is entirely -inf (every key masked: the documented case where the op returns 0).
+    Other reductions are not taken: a row min or mean is -inf as soon as one key is masked.
+    """
+    chain = _row_max_nodes(node, x)
+    if chain is None or any(
+        not _single_user(n, user) for n, user in zip(chain, [consumer] + chain[:-1], strict=True)
     ):
         return None
     return chain
+
+
+def _same_value(a, b, copies: list[Node], depth: int = 12) -> bool:
+    """Whether b computes the value a does: the same node, or the same deterministic op on arguments of
+    the same values. Dynamo records an expression as often as the source writes it
+    (``torch.exp(s) / torch.exp(s).sum(-1, keepdim=True)`` holds two exp nodes), and no CSE runs before
+    the passes. b's nodes that are not a's are appended to copies (the caller checks their other users).
+    A node written in place is never taken as its own copy: which value a read sees depends on where it
+    runs."""
+    if isinstance(a, Node) or isinstance(b, Node):
+        if a is b:
+            return not in_place_writers(a)
+        if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+            return False
+        if (
+            a.op != b.op
+            or a.op not in ("call_function", "call_method")
+            or a.target != b.target
+            or is_in_place(a)
+            or any(r in str(op_name(a) or a.target) for r in _RANDOM_OPS)
+            or a.kwargs.keys() != b.kwargs.keys()
+            or len(a.args) != len(b.args)
+            or (_shape(a), _dtype(a)) != (_shape(b), _dtype(b))
+        ):
+            return False
+        pairs = [*zip(a.args, b.args, strict=True), *((a.kwargs[key], b.kwargs[key]) for key in a.kwargs)]
+        if not all(_same_value(x, y, copies, depth - 1) for x, y in pairs):
+            return False
+        copies.append(b)
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            _same_value(x, y, copies, depth) for x, y in zip(a, b, strict=True))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare (symbolic) are not proven equal
+        return False
+
+
+def _exp_limits(dtype) -> str:
+    """Where eager's exp of unshifted scores leaves dtype's range: exp(s) is inf past log(max), and a row
+    whose scores all fall below log(smallest subnormal) sums to 0."""
+    finfo = torch.finfo(dtype)
+    return (f"past {math.log(finfo.max):.4g} in {dtype}, and its row sum is 0 when every score of a row is "
+            f"below {math.log(finfo.smallest_normal * finfo.eps):.4g}")
+
+
+def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
+    """(x, nodes) when div is softmax(x) over the last dim written out,
+    ``e = torch.exp(x - x.amax(-1, keepdim=True)); e / e.sum(-1, keepdim=True)`` (the row max by any
+    spelling _row_max_nodes takes, each expression written once or repeated): nodes are the ones it is
+    made of, div aside. Else raise with the reason.
+
+    This is what F.softmax computes, step for step: exp of the scores shifted by their row max (each at
+    most 1, the largest exactly 1), over its sum along the same dim (between 1 and Sk). Exactly that
+    is taken. Without the shift it is softmax only in exact arithmetic: eager's exp overflows once a
+    score passes log(finfo.max) (88.7 in float32 and bfloat16, 11.1 in float16: reachable logits) and
+    its row sum underflows to 0 when every score of a row is very negative, NaN either way, where the op
+    is finite. The op's -inf-row convention concerns rows with no visible key, a degenerate input; these
+    are ordinary ones, so the unshifted form is left to eager, reported (as the norm pass leaves float16
+    statistics that overflow where the fused op does not). A shift by anything else (another tensor's
+    max, a max over another dim or without keepdim) or a denominator that is not that sum (``+ eps``,
+    another dim, another tensor) is another function: reported."""
+    if not _plain_binary(div):
+        raise _Skip(f"'{div.name}' divides with {dict(div.kwargs)}")
+    num, den = div.args
+    shape = _shape(num)
+    if op_name(num) != "exp" or not isinstance(num.args[0], Node) or shape is None:
+        raise _Skip(f"'{div.name}' does not divide exp of a tensor")
+    if not isinstance(den, Node) or op_name(den) != "sum" or not isinstance(den.args[0], Node):
+        raise _Skip(f"'{div.name}' divides exp(..) by '{getattr(den, 'name', den)}', not by its sum over the "
+                    "key dim")
+    if not _over_last_dim_keepdim(den, len(shape)):
+        raise _Skip(f"the denominator '{den.name}' is not a sum over the last (key) dim with keepdim=True")
+    if arg(den, 3, "dtype") not in (None, _dtype(num)):
+        raise _Skip(f"the denominator '{den.name}' is summed in {arg(den, 3, 'dtype')}")
+    nodes = [num, den]
+    if not _same_value(num, den.args[0], nodes):
+        raise _Skip(f"the denominator '{den.name}' sums '{den.args[0].name}', not the numerator "
+                    f"'{num.name}' (nor the same expression)")
+    shifted = num.args[0]
+    if op_name(shifted) == "sub" and _plain_binary(shifted):
+        x, shift = shifted.args
+        row_max = _row_max_nodes(shift, x) if isinstance(x, Node) else None
+        if row_max is None:
+            what = getattr(shift, "name", shift)
+            raise _Skip(f"the written-out softmax subtracts '{what}' before exp: not the row max of "
+                        f"'{getattr(x, 'name', x)}' over the key dim with keepdim=True")
+        nodes += [shifted, *row_max]
+    else:
+        raise _Skip(f"the written-out softmax takes exp of '{shifted.name}' without subtracting its row max: "
+                    f"eager's exp overflows {_exp_limits(_dtype(num))}: NaN where the op is finite")
+    pattern = {div, *nodes}
+    for n in nodes:
+        others = [u.name for u in n.users if u not in pattern]
+        if others:
+            raise _Skip(f"intermediate '{n.name}' of the written-out softmax has other users "
+                        f"({', '.join(others)})")
+    if _dtype(den) == torch.float16 and not _holds(shape[-1] <= torch.finfo(torch.float16).max):
+        # the sum of Sk terms of at most 1 stays finite in float16 only up to 65504 keys
+        raise _Skip(f"the float16 denominator sums {shape[-1]} keys: it may overflow past 65504")
+    return x, nodes
 
 
 def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
@@ -784,12 +901,14 @@ def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
                 "constant along the key dim that keeps the scores' shape and dtype")
 
 
-def _scores_side(cand: _Candidate, softmax: Node, x: Node):
-    """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts."""
+def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
+    """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts. softmax_nodes: the
+    nodes of a written-out softmax, which read its input (the row max and the shift)."""
     consumer = softmax
     steps: list[tuple[str, object]] = []
     fills: dict[int, float] = {}  # a keep step's fill value, by step index
-    side_reads: set[Node] = set()  # the row max of a `scores - scores.amax(-1, keepdim=True)` step
+    # the row max of a `scores - scores.amax(-1, keepdim=True)` step, and a written-out softmax's own reads
+    side_reads: set[Node] = set(softmax_nodes)
     while True:
         if not isinstance(x, Node):
             raise _Skip("softmax input is not a tensor")
@@ -1372,7 +1491,10 @@ class _Layout:
 
 
 def _rewrite_softmax(graph: Graph, softmax: Node):
-    x = softmax.args[0]
+    """softmax: an F.softmax / torch.softmax / .softmax call, or the division ending a softmax written out
+    (``exp(..) / ..``, see _written_out_softmax), which then stands for the softmax node throughout."""
+    written_out = op_name(softmax) == "div"
+    x = softmax.args[0].args[0] if written_out else softmax.args[0]  # the scores exp or softmax takes
     if not isinstance(x, Node) or tensor_meta(x) is None:
         return
     cand = _Candidate()
@@ -1384,13 +1506,20 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
             raise _Skip("the scores pass through tanh (logit soft-capping, as in Gemma 2): the op has no "
                         "soft cap")
         return
-    ndim = len(_shape(x))
-    dim = arg(softmax, 1, "dim")
-    dtype_pos = 3 if softmax.op == "call_function" and softmax.target is torch.nn.functional.softmax else 2
-    sm_dtype = arg(softmax, dtype_pos, "dtype")
-    if dim is None or norm_dim(dim, ndim) != ndim - 1:
-        raise _Skip(f"softmax over dim {dim} of the {ndim}-d scores, not the last (key) dim")
-    mm = _scores_side(cand, softmax, x)
+    softmax_nodes: list[Node] = []
+    sm_dtype = None
+    if written_out:
+        x, softmax_nodes = _written_out_softmax(softmax)
+        cand.chain.extend(softmax_nodes)
+    else:
+        ndim = len(_shape(x))
+        dim = arg(softmax, 1, "dim")
+        is_f_softmax = softmax.op == "call_function" and softmax.target is torch.nn.functional.softmax
+        dtype_pos = 3 if is_f_softmax else 2
+        sm_dtype = arg(softmax, dtype_pos, "dtype")
+        if dim is None or norm_dim(dim, ndim) != ndim - 1:
+            raise _Skip(f"softmax over dim {dim} of the {ndim}-d scores, not the last (key) dim")
+    mm = _scores_side(cand, softmax, x, softmax_nodes)
     _qk(cand, mm)
     cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
     pv, probs = _probs_side(cand, softmax)
@@ -1514,7 +1643,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
                        "gives 0, where eager averages it uniformly")
     if cand.inf_fill and mask is not None:
         details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
-    record_rewrite(FAMILY, f"softmax({cand.variant})", f"flash_attention({', '.join(details)})", softmax)
+    pattern = f"{'exp/sum softmax' if written_out else 'softmax'}({cand.variant})"
+    record_rewrite(FAMILY, pattern, f"flash_attention({', '.join(details)})", softmax)
 
 
 def _erase_dead(graph: Graph, roots):
@@ -1809,10 +1939,14 @@ def rewrite(graph: torch.fx.Graph) -> None:
         name = op_name(node)
         if node.op == "call_function" and node.target is torch.special.softmax:  # (input, dim, *, dtype)
             name = "softmax"
-        if name not in ("softmax", "sdpa", "multi_head_attention_forward"):
+        # a division of exp(..): maybe softmax written out by hand (exp / its sum), the same candidate
+        written_out = name == "div" and len(node.args) == 2 and op_name(node.args[0]) == "exp"
+        if name not in ("softmax", "sdpa", "multi_head_attention_forward") and not written_out:
             continue
         variant = {"sdpa": "scaled_dot_product_attention", "softmax": "softmax attention",
-                   "multi_head_attention_forward": "nn.MultiheadAttention"}[name]
+                   "multi_head_attention_forward": "nn.MultiheadAttention",
+                   "div": "softmax attention (softmax written out, exp / sum)"}[name]
+        name = "softmax" if written_out else name
         try:
             if name == "sdpa":
                 _rewrite_sdpa(graph, node)
