@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from test_attention_hopper import _cuda_qkv, _fake_qkv
+from test_attention_hopper import _cuda_qkv, _fake_qkv, _routed
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
@@ -88,14 +88,8 @@ def test_routing_to_the_hopper_backward(case, monkeypatch):
     backward, which is also the deterministic one."""
     tensor_kw, call_kw, routed = ROUTING[case]
     monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: True)
-    call = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False,
-                deterministic=False) | call_kw
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        q, k, v = _fake_qkv(**tensor_kw)
-        if call["attn_mask"] == "bool":
-            call["attn_mask"] = torch.empty(q.shape[0], 1, q.shape[2], k.shape[2], device="cuda",
-                                            dtype=torch.bool)
-        assert hopper_bwd.hopper_backward_supported(q, k, v, **call) is routed
+    call_kw = dict(deterministic=False) | call_kw
+    assert _routed(hopper_bwd.hopper_backward_supported, tensor_kw, call_kw) is routed
 
 
 def test_routing_needs_tma_strides(monkeypatch):

@@ -87,13 +87,19 @@ def test_routing_to_the_hopper_forward(case, monkeypatch):
     (what a traced graph and its run both see); everything else keeps the Triton forward."""
     tensor_kw, call_kw, routed = ROUTING[case]
     monkeypatch.setattr(hopper, "_is_sm90", lambda index: True)
+    assert _routed(hopper.hopper_forward_supported, tensor_kw, call_kw) is routed
+
+
+def _routed(predicate, tensor_kw, call_kw):
+    """predicate (a routing function) on fake CUDA inputs of _fake_qkv(**tensor_kw), a plain call updated by
+    call_kw; attn_mask="bool" stands for a (B, 1, Sq, Sk) boolean mask."""
     call = dict(attn_mask=None, dropout_p=0.0, window_left=-1, window_right=-1, bottom_right=False) | call_kw
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _fake_qkv(**tensor_kw)
         if call["attn_mask"] == "bool":
             call["attn_mask"] = torch.empty(q.shape[0], 1, q.shape[2], k.shape[2], device="cuda",
                                             dtype=torch.bool)
-        assert hopper.hopper_forward_supported(q, k, v, **call) is routed
+        return predicate(q, k, v, **call)
 
 
 def test_routing_needs_tma_strides(monkeypatch):

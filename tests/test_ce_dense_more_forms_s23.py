@@ -17,7 +17,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_cross_entropy_pass import Head, K, V, _check, _labels, _not_rewritten, _run
+from test_cross_entropy_pass import (
+    Head,
+    K,
+    V,
+    _check,
+    _labels,
+    _not_rewritten,
+    _run,
+    check_end_to_end_through_inductor,
+)
 from test_norm_dense_ce_review_s23 import Fn, _compile
 from torch._dynamo.utils import counters
 
@@ -143,15 +152,7 @@ def test_shift_dynamic_shapes_do_not_recompile():
 
 
 def test_shift_end_to_end_through_inductor():
-    torch.manual_seed(0)
-    model = Head(shift_view)
-    x, labels = torch.randn(2, 5, K), _labels((2, 5))
-    expected = _run(model, (x, labels), True)
-    counters.clear()
-    got = _run(torch.compile(model, backend="flash"), (x, labels), True)
-    assert counters["flash"]["cross_entropy"] == 1
-    for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    check_end_to_end_through_inductor(shift_view)
 
 
 def test_every_selected_row_ignored_gives_nan_as_eager():
