@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.attention_fwd import (
     LOG2E,
@@ -43,6 +44,7 @@ from flash_backend.kernels.attention_fwd import (
     mask_key_ranges,
     mask_speed_flags,
 )
+from flash_backend.ops._eager import absent_pointer
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -1048,7 +1050,7 @@ def _launch_backward(
 ):
     q_s, k_s, v_s, o_s, do_s, l_s, dq_s, dk_s, dv_s = views
     D = q.shape[-1]
-    block_d = max(triton.next_power_of_2(D), 16)
+    block_d = max(next_power_of_2(D), 16)
     # config (sweeps): (dK/dV config, dQ config); a dK/dV config that is a pair of configs means split
     dkdv_cfg, dq_cfg = config or default_configs(D, dropout_p, atomic_dq)
     # plain ints for PART: Inductor writes the launch's constexpr arguments into its generated code
@@ -1067,10 +1069,10 @@ def _launch_backward(
     delta_rows, delta_seq = (H, q.shape[0]) if varlen else (B * H, seq_q)
     delta = torch.empty((delta_rows, delta_seq), dtype=torch.float32, device=q.device)
     pre_b, pre_h = (1, H) if varlen else (B, H)
-    launch(_attention_bwd_preprocess_kernel)[(triton.cdiv(delta_seq, 64), pre_b * pre_h)](
+    launch(_attention_bwd_preprocess_kernel)[(cdiv(delta_seq, 64), pre_b * pre_h)](
         out, dout, delta, *o_s, *do_s, H, delta_seq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64, num_warps=4
     )
-    dummy = q.new_empty(1)  # stands for absent optional pointers; never read
+    dummy = absent_pointer(q, launch)  # stands for absent optional pointers; never read
     mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     common = dict(
         HAS_MASK=has_mask,
@@ -1128,7 +1130,7 @@ def _launch_backward(
         window_right,
     )
     for part, (bm, bn, warps, stages) in dkdv_parts:
-        launch(_attention_bwd_dkdv_kernel)[(triton.cdiv(max_k, bn), B * Hkv)](
+        launch(_attention_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * Hkv)](
             *dkdv_args,
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -1149,7 +1151,7 @@ def _launch_backward(
     if narrow:
         key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)
     bm, bn, warps, stages = dq_cfg
-    launch(_attention_bwd_dq_kernel)[(triton.cdiv(max_q, bm), B * H)](
+    launch(_attention_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q,
         k,
         v,

@@ -34,6 +34,8 @@ import functools
 import torch
 import triton
 
+from flash_backend._fast_launch import fast_kernel
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend.kernels.attention_fwd_hopper import (
     GLUON_AVAILABLE,
     LOG2E,
@@ -373,14 +375,14 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
     lse = lse.contiguous()  # the kernel indexes it as (B * H, Sq); the forward's already is
     block_m, stages = config or CONFIGS[D]
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(Sq, 64), B * H)](
+    fast_kernel(_attention_bwd_preprocess_kernel)[(cdiv(Sq, 64), B * H)](
         out, dout, delta, *out.stride(), *dout.stride(), H, Sq, HEAD_DIM=D,
-        BLOCK_D=max(triton.next_power_of_2(D), 16), BLOCK_M=64, num_warps=4,
+        BLOCK_D=max(next_power_of_2(D), 16), BLOCK_M=64, num_warps=4,
     )
     dq_acc = torch.zeros((B * H, Sq, D), dtype=torch.float32, device=q.device)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
-    grid = (triton.cdiv(Sk, BLOCK_N), B * Hkv)
-    _attention_bwd_hopper_kernel[grid](
+    grid = (cdiv(Sk, BLOCK_N), B * Hkv)
+    fast_kernel(_attention_bwd_hopper_kernel)[grid](
         _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
         _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER), _descriptor(dv, KEYS_PER_CONSUMER),
         dq_desc, lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale, STAGES=stages, CAUSAL=causal,

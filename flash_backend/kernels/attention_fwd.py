@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
+from flash_backend.ops._eager import absent_pointer
 from flash_backend.ops.attention import (
     DROPOUT_KEY_SPAN,
     DROPOUT_KEYS_PER_CALL,
@@ -552,7 +554,7 @@ def _launch(
     launch,
 ):
     D = q.shape[-1]
-    dummy = q.new_empty(1)  # stands for absent optional pointers; never read
+    dummy = absent_pointer(q, launch)  # stands for absent optional pointers; never read
     mask_t, m_strides, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
     mask_1d = mask_is_query_broadcast(attn_mask)
     narrow, prefetch = mask_speed_flags(attn_mask, D)
@@ -567,7 +569,7 @@ def _launch(
     key_ranges, r_strides = dummy, (0, 0)
     if narrow:
         key_ranges, r_strides = mask_key_ranges(attn_mask, m_strides, seq_k, mask_is_bool, launch)
-    grid = (triton.cdiv(max_seqlen_q, block_m), B * H)
+    grid = (cdiv(max_seqlen_q, block_m), B * H)
     launch(_attention_fwd_kernel)[grid](
         q,
         k,
@@ -596,7 +598,7 @@ def _launch(
         window_left,
         window_right,
         HEAD_DIM=D,
-        BLOCK_D=max(triton.next_power_of_2(D), 16),
+        BLOCK_D=max(next_power_of_2(D), 16),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HAS_MASK=has_mask,

@@ -32,6 +32,9 @@ import functools
 import torch
 import triton
 
+from flash_backend._fast_launch import fast_kernel
+from flash_backend._host_math import cdiv
+
 try:  # Gluon's Hopper API (Triton >= 3.5); without it every call takes the Triton forward
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -402,8 +405,8 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
                          "contiguous (B, H, Sq)")
     block_n, stages, pingpong, consumers = config or CONFIGS[(D, causal)]
     maxnreg, consumer_regs = _REGS[consumers]
-    grid = (triton.cdiv(Sq, consumers * BLOCK_M), B * H)
-    _attention_fwd_hopper_kernel[grid](
+    grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
+    fast_kernel(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
         lse, Sq, Sk, H, H // Hkv, scale * LOG2E, CONSUMERS=consumers, STAGES=stages, CAUSAL=causal,
         PINGPONG=pingpong, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs, num_warps=4,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_backend._host_math import cdiv
+
 PARTIAL_TILE = 4096  # elements of one [BLOCK_P, BLOCK_N] tile of the partial sums (16 KB of fp32)
 
 
@@ -69,7 +71,7 @@ def sum_partials(dw_partial: torch.Tensor | None, dw: torch.Tensor | None, db_pa
     some_partial = dw_partial if has_weight else db_partial
     programs, n = some_partial.shape
     block_n = partial_sums_block(n)
-    launch(_sum_partials_kernel)[(triton.cdiv(n, block_n),)](
+    launch(_sum_partials_kernel)[(cdiv(n, block_n),)](
         dw_partial if has_weight else some_partial, db_partial if has_bias else some_partial,
         dw if has_weight else some_partial, db if has_bias else some_partial, programs, n,
         HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_P=PARTIAL_TILE // block_n, BLOCK_N=block_n,

@@ -28,16 +28,16 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 from torch.library import triton_op
 
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.add_dropout_norm_kernels import (
     _add_dropout_norm_bwd_kernel,
     _add_dropout_norm_fwd_kernel,
 )
 from flash_backend.kernels.partial_sums import sum_partials
-from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._eager import direct_call_ok, needs_autograd, plain_launch
 from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (
     DROPOUT_PHILOX_ROUNDS,
@@ -128,7 +128,7 @@ _COLUMNS_PER_CALL = 8  # one Philox call = 4 words = 8 16-bit halves = 8 columns
 def dropout_keep_mask(seed: torch.Tensor, rows: int, n: int, dropout_p: float) -> torch.Tensor:
     """The (rows, n) bool keep-mask the kernels draw for `seed` (an int64 tensor of one element)."""
     device = seed.device
-    calls = triton.cdiv(n, _COLUMNS_PER_CALL)
+    calls = cdiv(n, _COLUMNS_PER_CALL)
     counter = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * calls + torch.arange(
         calls, device=device, dtype=torch.int64
     )
@@ -263,10 +263,10 @@ def _allocate_bwd(dy, h, weight, bias, has_residual, x_dtype, residual_dtype):
 
 
 def _block_and_chunks(n: int, max_fused: int) -> tuple[int, int]:
-    block_n = max(triton.next_power_of_2(n), _MIN_BLOCK_N)
+    block_n = max(next_power_of_2(n), _MIN_BLOCK_N)
     if block_n <= max_fused:
         return block_n, 1
-    return max_fused, triton.cdiv(n, max_fused)
+    return max_fused, cdiv(n, max_fused)
 
 
 def _num_warps(block_n: int, elems_per_thread: int, max_warps: int) -> int:
@@ -303,7 +303,7 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
         bias if bias is not None else x2, seed if has_dropout else rstd,
         out2, res_out2, mean if not is_rms_norm else rstd, rstd,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), res_out2.stride(0),
-        n, triton.cdiv(n, _COLUMNS_PER_CALL), eps, dropout_threshold(dropout_p), dropout_scale(dropout_p),
+        n, cdiv(n, _COLUMNS_PER_CALL), eps, dropout_threshold(dropout_p), dropout_scale(dropout_p),
         BLOCK_N=block_n, NUM_CHUNKS=num_chunks, IS_RMS_NORM=is_rms_norm, HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
         STORE_RESIDUAL_OUT=store_h, num_warps=_num_warps(block_n, _FWD_ELEMS_PER_THREAD, 16),
@@ -326,7 +326,7 @@ def _num_programs(device: torch.device, m: int, num_warps: int, warps_per_sm: in
 def bwd_config(n: int, is_rms_norm: bool, row_bytes: int = 6) -> BwdConfig:
     """The shipped backward launch shape for rows of n columns; row_bytes: bytes per column of the rows the
     loop loads (h, dy, d(residual_out); 6 for bf16 with a residual stream)."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     bucket = min(b for b, rms in _BWD_CONFIGS if rms == is_rms_norm and b >= block_n)
     pipelined = _BWD_PIPELINED.get((bucket, is_rms_norm))
     # Each pipeline stage holds a row of every loaded tensor in shared memory (228 KB an SM on the H200, with
@@ -368,21 +368,21 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
     block_n, num_chunks = _block_and_chunks(n, cfg.max_fused)
     num_warps = _num_warps(block_n, cfg.elems_per_thread, 32)
     programs = _num_programs(h.device, m, num_warps, cfg.warps_per_sm)
-    rows_per_program = triton.cdiv(m, programs)
+    rows_per_program = cdiv(m, programs)
     if num_chunks == 1:
         # A runtime bound: M splits evenly over the programs, in whole tiles. A tile taller than the
         # program's rows would be mostly masked off: halve it (a loop, as m may be a SymInt).
         rows_per_iter = cfg.rows_per_iter
         while rows_per_iter > 1 and rows_per_iter > rows_per_program:
             rows_per_iter //= 2
-        rows_per_program = triton.cdiv(rows_per_program, rows_per_iter) * rows_per_iter
+        rows_per_program = cdiv(rows_per_program, rows_per_iter) * rows_per_iter
         const_rows_per_program = 1
     else:
         # Chunked rows unroll over the program's rows: a power of two, so that varying M compiles only a few
         # variants. They have no multi-row form.
         rows_per_iter = 1
-        rows_per_program = const_rows_per_program = triton.next_power_of_2(rows_per_program)
-    programs = triton.cdiv(m, rows_per_program)
+        rows_per_program = const_rows_per_program = next_power_of_2(rows_per_program)
+    programs = cdiv(m, rows_per_program)
     f32 = dict(dtype=torch.float32, device=h.device)
     dw_partial = torch.empty((programs, n), **f32) if weight is not None else None
     db_partial = torch.empty((programs, n), **f32) if bias is not None else None
@@ -394,7 +394,7 @@ def add_dropout_norm_bwd_launch(dy, dresidual_out, h, weight, bias, mean, rstd, 
         mean if not is_rms_norm else rstd, rstd, seed if has_dropout else rstd,
         dx2, dres2, dw_partial if weight is not None else rstd, db_partial if bias is not None else rstd,
         h2.stride(0), dy2.stride(0), dres_out2.stride(0) if dres_out2 is not None else 0, dx2.stride(0),
-        dres2.stride(0), m, rows_per_program, n, triton.cdiv(n, _COLUMNS_PER_CALL),
+        dres2.stride(0), m, rows_per_program, n, cdiv(n, _COLUMNS_PER_CALL),
         dropout_threshold(dropout_p), dropout_scale(dropout_p), ROWS_PER_PROGRAM=const_rows_per_program,
         ROWS_PER_ITER=rows_per_iter,
         PREFETCH=prefetch, PIPELINE_STAGES=pipeline_stages, RELOAD_ROWS=reload_rows,
@@ -582,7 +582,10 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, eps=1e-5, drop
     inputs = (x, residual, weight, bias, seed, float(eps), dropout_p, bool(is_rms_norm),
               bool(residual_in_fp32), bool(return_residual))
     if direct_call_ok(x, residual, weight, bias):
-        out, residual_out, _, _ = _DirectAddDropoutNorm.apply(*inputs)
+        if needs_autograd(x, residual, weight, bias):
+            out, residual_out, _, _ = _DirectAddDropoutNorm.apply(*inputs)
+        else:
+            out, residual_out, _, _ = add_dropout_norm_fwd_launch(*inputs, launch=plain_launch)
     else:
         out, residual_out, _, _ = torch.ops.flash.add_dropout_norm_fwd(*inputs)
     return (out, residual_out) if return_residual else out

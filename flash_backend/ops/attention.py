@@ -48,7 +48,7 @@ from torch.library import triton_op
 
 from flash_backend import config
 from flash_backend._traced_launch import traced_launch
-from flash_backend.ops._eager import direct_call_ok, plain_launch
+from flash_backend.ops._eager import direct_call_ok, needs_autograd, plain_launch
 from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (  # noqa: F401  (re-exported: the tests and bench read them here)
     DROPOUT_PHILOX_ROUNDS,
@@ -294,6 +294,8 @@ def attention_varlen_backward_reference(dout, q, k, v, out, lse, cu_seqlens_q, c
 
 def _empty_like_layout(x: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     """Empty tensor of `shape` whose memory order follows x's strides (SDPA keeps a (B,S,H,D) layout)."""
+    if x.is_contiguous():  # the common case, without the sort (eager calls pay this function's host time)
+        return x.new_empty(shape, dtype=dtype or x.dtype)
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     if order[-1] != x.dim() - 1:
         order = list(range(x.dim()))
@@ -309,9 +311,11 @@ def _alloc_forward(q, v):
     return out, lse
 
 
-def _alloc_dbias(q, attn_mask, compute_dbias):
+def _alloc_dbias(q, attn_mask, compute_dbias, launch=traced_launch):
     if compute_dbias:
         return attn_mask.new_empty(attn_mask.shape)
+    if launch is plain_launch:  # a direct call's _backward_with drops it: no allocation (host time)
+        return None
     return q.new_empty((0,))
 
 
@@ -358,7 +362,8 @@ def _(q, k, v, scale, causal):
 def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
                            bottom_right, launch=traced_launch):
     """The body of flash::attention_forward; `launch` is plain_launch on the eager fast path."""
-    if _kernels_enabled(q) and config.hopper_attention_forward:
+    kernels = _kernels_enabled(q)
+    if kernels and config.hopper_attention_forward:
         from flash_backend.kernels.attention_fwd_hopper import hopper_forward_supported
 
         if hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right):
@@ -367,7 +372,7 @@ def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_l
                 return _hopper_forward(q, k, v, scale, causal)
             return torch.ops.flash.attention_forward_hopper(q, k, v, scale, causal)
     out, lse = _alloc_forward(q, v)
-    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
+    if kernels and _kernel_supports(q, k, v, attn_mask):
         from flash_backend.kernels.attention_fwd import attention_forward_launch
 
         attention_forward_launch(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right,
@@ -417,7 +422,8 @@ def _(dout, q, k, v, out, lse, scale, causal):
 def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p, scale, window_left,
                             window_right, bottom_right, compute_dbias, deterministic, launch=traced_launch):
     """The body of flash::attention_backward; `launch` is plain_launch on the eager fast path."""
-    if _kernels_enabled(q) and config.hopper_attention_backward:
+    kernels = _kernels_enabled(q)
+    if kernels and config.hopper_attention_backward:
         from flash_backend.kernels.attention_bwd_hopper import hopper_backward_supported
 
         if hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
@@ -427,10 +433,10 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
                 dq, dk, dv = _hopper_backward(dout, q, k, v, out, lse, scale, causal)
             else:
                 dq, dk, dv = torch.ops.flash.attention_backward_hopper(dout, q, k, v, out, lse, scale, causal)
-            return dq, dk, dv, _alloc_dbias(q, attn_mask, compute_dbias)
+            return dq, dk, dv, _alloc_dbias(q, attn_mask, compute_dbias, launch)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbias = _alloc_dbias(q, attn_mask, compute_dbias)
-    if _kernels_enabled(q) and _kernel_supports(q, k, v, attn_mask):
+    dbias = _alloc_dbias(q, attn_mask, compute_dbias, launch)
+    if kernels and _kernel_supports(q, k, v, attn_mask):
         from flash_backend.kernels.attention_bwd import attention_backward_launch, use_atomic_dq
         from flash_backend.kernels.attention_fwd import mask_is_query_broadcast
 
@@ -694,7 +700,10 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     seed = _seed(dropout_p, q.device)
     inputs = (q, k, v, mask, seed, float(dropout_p), scale, left, right, causal_alignment == "bottom_right")
     if direct_call_ok(q, k, v, mask) and _kernels_enabled(q) and _kernel_supports(q, k, v, mask):
-        out, _ = _DirectAttention.apply(*inputs)
+        if needs_autograd(q, k, v, mask):
+            out, _ = _DirectAttention.apply(*inputs)
+        else:
+            out, _ = _attention_forward_impl(*inputs, launch=plain_launch)
     else:
         out, _ = torch.ops.flash.attention_forward(*inputs)
     return out

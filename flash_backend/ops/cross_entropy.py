@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import Tensor
 from torch.library import triton_op
 
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
 from flash_backend.ops._eager import plain_launch
@@ -162,7 +162,7 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, label
 def _fwd_config(num_classes: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps). H200, 16384 x 30522 bf16 (bench_cross_entropy.py --sweep): 1024 x 4 warps
     reads at 2.84 TB/s; 2048 x 8: 2.77; 4096 x 8: 1.79; 8192 x 16: 1.30."""
-    block = min(1024, triton.next_power_of_2(num_classes))
+    block = min(1024, next_power_of_2(num_classes))
     return block, max(1, min(4, block // 256))
 
 
@@ -171,7 +171,7 @@ def _bwd_config(num_classes: int) -> tuple[int, int, int]:
     one row per program: 1024 x 8 warps 2.87 TB/s; 1024 x 4, 2048 x 4 or 8 and 4096 x 8: 0.98-1.09 TB/s.
     128 rows per program keeps BERT's 16384 rows at 3840 programs, and the fp32 partial column sums
     (one row of them per 128 rows) at 1/64 of the gradient's bytes."""
-    block = min(1024, triton.next_power_of_2(num_classes))
+    block = min(1024, next_power_of_2(num_classes))
     return block, max(1, min(8, block // 128)), 128
 
 
@@ -186,7 +186,7 @@ def cross_entropy_fwd_launch(logits: Tensor, target: Tensor, ignore_index: int, 
         block, warps = _fwd_config(num_classes)
         launch(_cross_entropy_fwd_kernel)[(rows,)](
             logits, target, loss, lse, logits.stride(0), num_classes, ignore_index, float(label_smoothing),
-            BLOCK_V=block, NUM_CHUNKS=triton.cdiv(num_classes, block), HAS_SMOOTHING=label_smoothing != 0.0,
+            BLOCK_V=block, NUM_CHUNKS=cdiv(num_classes, block), HAS_SMOOTHING=label_smoothing != 0.0,
             num_warps=warps)
     return loss, lse
 
@@ -201,10 +201,10 @@ def cross_entropy_bwd_launch(grad_loss: Tensor, grad_logits: Tensor | None, logi
     padded = padded_classes(num_classes)
     grad = logits.new_empty(rows, padded)
     block, warps, rows_per_group = _bwd_config(num_classes)
-    groups = triton.cdiv(rows, rows_per_group)
+    groups = cdiv(rows, rows_per_group)
     partial = torch.zeros(groups if bias_grad else 0, padded, device=logits.device, dtype=torch.float32)
     if rows:
-        chunks = triton.cdiv(padded, block)
+        chunks = cdiv(padded, block)
         grad_in = grad_logits if grad_logits is not None else grad  # unread unless HAS_GRAD_LOGITS
         launch(_cross_entropy_bwd_kernel)[(groups * chunks,)](
             grad, partial, logits, lse, target, grad_loss, grad_in, grad.stride(0), logits.stride(0),

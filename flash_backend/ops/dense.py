@@ -45,12 +45,12 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
 from flash_backend import _cpp_build
+from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_erf_fwd_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
@@ -236,7 +236,7 @@ def triton_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approxima
     if rows == 0:
         return out, pre
     block_m, block_n, block_k, group_m, warps, stages = config
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(rows, block_m) * cdiv(n, block_n),)
     launch(_linear_gelu_fwd_kernel)[grid](
         x, weight, bias if bias is not None else out, out, pre if store_pre else out, rows, n, x.stride(0),
         weight.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
@@ -271,7 +271,7 @@ def gelu_erf_forward(pre: Tensor, out: Tensor | None = None, config: tuple = GEL
     numel = pre.numel()
     if numel:
         block, warps, poly_cdf = config
-        launch(_gelu_erf_fwd_kernel)[(triton.cdiv(numel, block),)](
+        launch(_gelu_erf_fwd_kernel)[(cdiv(numel, block),)](
             pre, out, numel, BLOCK=block, POLY_CDF=poly_cdf, num_warps=warps)
     return out
 
@@ -307,7 +307,7 @@ def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 2
     chunks = max(1, per_sm * sms // col_blocks)
-    return triton.cdiv(triton.cdiv(m, chunks), block_m) * block_m
+    return cdiv(cdiv(m, chunks), block_m) * block_m
 
 
 def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_dbias: bool = True,
@@ -319,16 +319,16 @@ def gelu_backward_dbias(grad_out: Tensor, pre: Tensor, approximate: str, with_db
     wraps the kernels (traced_launch inside the ops' bodies). `config` overrides GELU_BWD_CONFIGS."""
     m, n = pre.shape
     block_m, block_n, warps, per_sm, stages, poly_cdf = config or GELU_BWD_CONFIGS[approximate]
-    block_n = min(block_n, triton.next_power_of_2(n))
+    block_n = min(block_n, next_power_of_2(n))
     if block_m * n >= 2**31:  # the kernel's in-tile offsets are int32
         grad_pre = torch.ops.aten.gelu_backward(grad_out, pre, approximate=approximate)
         return grad_pre, (grad_pre.sum(0) if with_dbias else None)
     grad_pre = torch.empty_like(pre)
     if m == 0 or n == 0:
         return grad_pre, (pre.new_zeros(n) if with_dbias else None)
-    col_blocks = triton.cdiv(n, block_n)
+    col_blocks = cdiv(n, block_n)
     rows_per_program = _row_chunks(pre.device, m, col_blocks, block_m, per_sm)
-    chunks = triton.cdiv(m, rows_per_program)
+    chunks = cdiv(m, rows_per_program)
     partial = pre.new_empty((chunks, n) if with_dbias else (0,), dtype=torch.float32)
     launch(_gelu_bwd_dbias_kernel)[(chunks, col_blocks)](
         grad_out, pre, grad_pre, partial, m, n, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -399,7 +399,7 @@ def _linear_gelu_cuda(x: Tensor, weight: Tensor, bias: Tensor | None, approximat
         if approximate == "none":
             return _erf_gelu_after(F.linear(x, weight, bias), store_pre)
         return _FORWARDS["cublaslt"](*args)
-    key = (x.device.index, x.dtype, triton.next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
+    key = (x.device.index, x.dtype, next_power_of_2(max(1, x.shape[0])), x.shape[1], weight.shape[0],
            bias is not None, approximate, store_pre)
     name = _forward_choice.get(key)
     if name is None:
