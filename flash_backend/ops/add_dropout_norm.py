@@ -38,6 +38,7 @@ from flash_backend.kernels.add_dropout_norm_kernels import (
 )
 from flash_backend.kernels.partial_sums import sum_partials
 from flash_backend.ops._eager import direct_call_ok, needs_autograd, plain_launch
+from flash_backend.ops._forward_ad import refuse_forward_ad
 from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (
     DROPOUT_PHILOX_ROUNDS,
@@ -573,6 +574,7 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, eps=1e-5, drop
     regenerated from it in backward. When is_rms_norm, bias must be None.
     """
     _check_inputs(x, residual, weight, bias, dropout_p)
+    refuse_forward_ad("add_dropout_norm", x, residual, weight, bias)
     if is_rms_norm and bias is not None:
         raise ValueError("add_dropout_norm: bias must be None when is_rms_norm=True")
     dropout_p = float(dropout_p)

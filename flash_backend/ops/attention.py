@@ -49,6 +49,7 @@ from torch.library import triton_op
 from flash_backend import config
 from flash_backend._traced_launch import traced_launch
 from flash_backend.ops._eager import direct_call_ok, needs_autograd, plain_launch
+from flash_backend.ops._forward_ad import refuse_forward_ad
 from flash_backend.ops._outputs import as_output
 from flash_backend.ops._philox import (  # noqa: F401  (re-exported: the tests and bench read them here)
     DROPOUT_PHILOX_ROUNDS,
@@ -685,6 +686,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     causal_alignment also anchors window_size=(left, right). Fully masked rows give zeros.
     """
     _check_qkv(q, k, v, 4)
+    refuse_forward_ad("flash_attention", q, k, v, attn_mask)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"flash_attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, "
                          f"v {v.shape[0]}")
@@ -718,6 +720,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     defaults to bottom-right, FlashAttention's varlen convention.
     """
     _check_qkv(q, k, v, 3)
+    refuse_forward_ad("flash_attention_varlen", q, k, v)
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"flash_attention_varlen: k and v token counts differ: {k.shape[0]} and "
                          f"{v.shape[0]}")

@@ -43,6 +43,7 @@ from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.cross_entropy_kernels import _cross_entropy_bwd_kernel, _cross_entropy_fwd_kernel
 from flash_backend.ops._eager import plain_launch
+from flash_backend.ops._forward_ad import refuse_forward_ad
 from flash_backend.ops._outputs import as_output
 from flash_backend.ops.dense import cublaslt_ready
 
@@ -358,6 +359,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, target:
                          f"got {reduction!r}")
     if x.dim() < 1:
         raise ValueError("flash linear_cross_entropy: x must have at least one dimension (..., K)")
+    refuse_forward_ad("linear_cross_entropy", x, weight, bias)
     num_classes = weight.shape[0]
     x_rows, rows_target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     logits, loss_rows, _ = torch.ops.flash.linear_cross_entropy_fwd(x_rows, weight, bias, rows_target,

@@ -55,7 +55,8 @@ from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_erf_fwd_kernel
 from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
 from flash_backend.kernels.partial_sums import sum_partials
-from flash_backend.ops._eager import plain_launch
+from flash_backend.ops._eager import needs_autograd, plain_launch
+from flash_backend.ops._forward_ad import refuse_forward_ad
 from flash_backend.ops.add_dropout_norm import _sm_count
 
 log = logging.getLogger("flash_backend")
@@ -575,7 +576,8 @@ torch.library.register_autograd("flash::dense_bias_fwd", _backward_bias, setup_c
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> Tensor:
     """F.gelu(F.linear(x, weight, bias), approximate=approximate), fused. weight is (N, K) like nn.Linear."""
     _check(x, weight, bias, approximate)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    refuse_forward_ad("linear_bias_gelu", x, weight, bias)
+    if needs_autograd(x, weight, bias):
         return torch.ops.flash.dense_gelu_fwd(x, weight, bias, approximate)[0]
     return torch.ops.flash.dense_gelu_inference(x, weight, bias, approximate)
 
@@ -583,4 +585,5 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, approximate
 def linear_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear(x, weight, bias), with the bias gradient fused into the weight-gradient GEMM."""
     _check(x, weight, bias)
+    refuse_forward_ad("linear_bias", x, weight, bias)
     return torch.ops.flash.dense_bias_fwd(x, weight, bias)
