@@ -1134,6 +1134,11 @@ def _qk(cand: _Candidate, mm: Node):
         if not isinstance(eq, str) or len(operands) != 2:
             raise _Skip("einsum is not a two-operand contraction")
         (a_l, b_l), out = _parse_einsum(eq, 2, [len(_shape(o) or ()) or None for o in operands])
+        q, k = operands
+        if len(out) >= 2 and out[-2] in b_l and out[-2] not in a_l:
+            # k listed first, einsum("bhkd,bhqd->bhqk", k, q): the same product. Whichever operand owns the
+            # scores' second-to-last dim is q (the rows the softmax normalises), the other k.
+            (a_l, b_l), (q, k) = (b_l, a_l), (k, q)
         d = [c for c in a_l if c in b_l and c not in out]
         i = [c for c in a_l if c in out and c not in b_l]
         j = [c for c in b_l if c in out and c not in a_l]
@@ -1149,7 +1154,6 @@ def _qk(cand: _Candidate, mm: Node):
         ):
             raise _Skip(f"einsum '{eq}' is not q·kᵀ with the scores' key dim last")
         cand.variant = "einsum"
-        q, k = operands
         cand.q_perm = [a_l.index(c) for c in batch + i + d]
         cand.k_perm = [b_l.index(c) for c in batch + j + d]
         cand.batch_dims = len(batch)

@@ -180,6 +180,24 @@ class _ScaleBuffer(nn.Module):
         return torch.softmax(q @ k.transpose(-2, -1) * self.scale, -1) @ v
 
 
+def _einsum_scores_transposed(q, k, v):
+    # "->bhkq" gives (k-rows, q-rows) scores, normalised over q's rows, then summed with v over them: this is
+    # attention with q and k in each other's roles, softmax(k qᵀ / 4) v, which the op computes from (k, q, v)
+    s = torch.einsum("bhqd,bhkd->bhkq", q, k) * 0.25
+    return torch.softmax(s, -1) @ v
+
+
+def _einsum_k_first(q, k, v):
+    # the key operand listed first: the same q·kᵀ
+    s = torch.einsum("bhkd,bhqd->bhqk", k, q) * 0.25
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v)
+
+
+def _einsum_k_first_ellipsis(q, k, v):
+    s = torch.einsum("...jd,...id->...ij", k * 0.5, q)
+    return torch.softmax(s, dim=-1) @ v
+
+
 ATTENTION_SAME = {
     # name: (fn, q/k/v sizes, extra inputs, expected op kwargs)
     "bloom_alibi_baddbmm_beta1": (_bloom_alibi_baddbmm, {}, lambda: (torch.randn(B * H, 1, S),), {}),
@@ -208,6 +226,10 @@ ATTENTION_SAME = {
     "einsum_q_given_transposed": (_einsum_q_given_transposed, {}, tuple, {}),
     "scale_parameter_on_q": (_ScaleParameter(), {}, tuple, {}),
     "scale_buffer_on_scores": (_ScaleBuffer(), {}, tuple, {}),
+    # Sq != Sk: q and k taken the wrong way round would not run, or give other shapes
+    "einsum_k_first": (_einsum_k_first, {"S": 5, "Sk": 9}, tuple, {}),
+    "einsum_k_first_ellipsis": (_einsum_k_first_ellipsis, {"S": 9, "Sk": 5}, tuple, {}),
+    "einsum_scores_transposed_is_attention_of_k_over_q": (_einsum_scores_transposed, {}, tuple, {}),
 }
 
 
@@ -243,12 +265,6 @@ class _NnSoftmaxImplicitDim(nn.Module):
 
     def forward(self, q, k, v):
         return self.softmax(q @ k.transpose(-2, -1) * 0.25) @ v
-
-
-def _einsum_scores_transposed(q, k, v):
-    # "->bhkq" gives (keys, queries) scores: the softmax over the last dim normalises over the queries
-    s = torch.einsum("bhqd,bhkd->bhkq", q, k) * 0.25
-    return torch.softmax(s, -1) @ v
 
 
 def _einsum_pv_wrong_contraction(q, k, v):
@@ -310,7 +326,6 @@ def _renormalised_probs(q, k, v):
 ATTENTION_OTHER = {
     # name: (fn, extra inputs, reason in the near miss, or None when no candidate is reported)
     "nn_softmax_implicit_dim": (_NnSoftmaxImplicitDim(), tuple, "softmax over dim"),
-    "einsum_scores_transposed": (_einsum_scores_transposed, tuple, "not q·kᵀ with the scores' key dim last"),
     "einsum_pv_wrong_contraction": (_einsum_pv_wrong_contraction, tuple, "is not probabilities·v"),
     # these two were not reported at all before: the walk only looked for ·v through casts and dropout
     "head_mask_on_probs": (_head_mask_on_probs, lambda: (torch.rand(1, 8, 1, 1) + 0.5,),
