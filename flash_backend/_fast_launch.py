@@ -88,7 +88,6 @@ class FastKernel:
     def __init__(self, kernel: JITFunction):
         self.kernel = kernel
         self.params = list(inspect.signature(kernel.fn).parameters.values())
-        self.param_names = [p.name for p in self.params]
         self._compiled: dict = {}
         self._by_types: dict = {}  # tuple of argument types -> _split_by_type's getters
         self._orders: dict = {}  # (number of positional args, keyword names) -> how to complete the args
@@ -97,11 +96,14 @@ class FastKernel:
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def _order(self, n_positional: int, kw_names: tuple):
-        """The parameters after the positional ones, each as ('kw', name) or ('default', value); None
-        when the call does not bind (Triton's path raises its own error then)."""
+        """The parameters after the positional ones, each as (True, its name) when passed by keyword or
+        (False, its default value); None when the call does not bind (Triton's path raised its own error
+        then, or will)."""
         key = (n_positional, kw_names)
         order = self._orders.get(key)
         if order is None:
+            if n_positional > len(self.params):
+                return None
             order = []
             for p in self.params[n_positional:]:
                 if p.name in kw_names:
@@ -110,8 +112,6 @@ class FastKernel:
                     order.append((False, p.default))
                 else:
                     return None
-            if n_positional > len(self.params):
-                return None
             order = tuple(order)
             self._orders[key] = order
         return order
