@@ -20,11 +20,13 @@ What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, targe
   that is the loss over every row with the other rows' targets set to ignore_index; the op gets that
   target (built in the graph by a scatter) and still returns the full logits (_target_of_every_row),
 
-the output of ``F.linear(x, weight, bias)`` (``nn.Linear``), or of a bias-free one plus a class bias of
-shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``), which becomes the op's bias. The
-logits keep every other user: the op returns them too, so a model that also returns them (``.logits``)
-still does. A label_smoothing or ignore_index that dynamic=True made a symbolic input (a loss module
-stored on the model) is specialised, with a guard, once every other check has passed.
+the output of ``F.linear(x, weight, bias)`` (``nn.Linear``) or of a matmul with a 2-D weight's transpose
+(``h @ self.wte.weight.T``, a tied head written out: ATen's bias-free F.linear is that matmul), or of a
+bias-free one plus a class bias of shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``),
+which becomes the op's bias. The logits keep every other user: the op returns them too, so a model that
+also returns them (``.logits``) still does. A label_smoothing or ignore_index that dynamic=True made a
+symbolic input (a loss module stored on the model) is specialised, with a guard, once every other check has
+passed.
 
 The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
 ``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
@@ -33,7 +35,8 @@ dim), with z the chain above, is matched as well: ATen's cross_entropy computes 
 class-index targets. The log_softmax must be over z's last dimension (``-1``, or ``1`` / F.log_softmax's
 implicit dim on a 2-D z), computed in z's dtype or with
 ``dtype=torch.float32`` (z cast up first: the upcast above), and its output, possibly reshaped keeping the
-class dimension last (``F.log_softmax(logits, -1).view(-1, V)``), must be read by the nll_loss only: the
+class dimension last (``F.log_softmax(logits, -1).view(-1, V)``) or with rows selected as above (the
+log_softmax is row-wise: that is a selection of the logits' rows), must be read by the nll_loss only: the
 op does not return log-probabilities. nll_loss's ignore_index and reduction mean what cross_entropy's do
 (label_smoothing 0); its class weights and legacy arguments are left alone as cross_entropy's are. An
 nll_loss whose input is not a log_softmax (seen through views, transposes and casts) is not a candidate.
@@ -43,10 +46,13 @@ probability targets, an input that is not (M, V) (a class dimension other than t
 that changes values or row order (a slice, step or index along the class dimension, a new axis, a tensor
 index, a row selection after a reshape that regrouped the rows, a transpose, a cast down or to fp64, a
 ``view(dtype)`` reinterpreting the bits), and logits that do not come from an F.linear, and a tensor the
-pattern reads that is written in place before the loss (the logits scaled in place, ``x.mul_(2)`` between the
-Linear and the loss). For the nll_loss form also: a log_softmax over another dimension, or in another dtype
-(fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step between
-the log_softmax and the nll_loss other than such a reshape (a cast of the log-probabilities, a transpose).
+pattern reads that is written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the
+logits written in place at all, through any view of them (before the loss it reads the written values; after
+it, the op's backward reads the logits it kept, where eager's reads its log-probabilities), and a target
+computed from the logits (pseudo-labels: the op would need it before it computes them). For the nll_loss
+form also: a log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities
+used elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss
+other than such a reshape or row selection (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from fx_passes._match import (
     erase_unused,
     fake_call,
     fused_op,
+    in_place_writers,
     insert_call,
     insert_getitem,
     is_last_dim,
@@ -173,6 +180,47 @@ def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
         inp.dtype in (*_LOW_PRECISION, torch.float32) and out.device == inp.device and out.shape == inp.shape
 
 
+def _transposed_2d(node: object) -> torch.fx.Node | None:
+    """w when node is w's transpose, w 2-D: ``w.t()``, ``torch.t(w)``, ``w.T``, ``w.mT``,
+    ``w.transpose(0, 1)`` (either order, negative dims too), ``w.permute(1, 0)``; else None."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or \
+            node.kwargs or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    w, out = node.args[0], tensor_meta(node)
+    if tensor_meta(w) is None or tensor_meta(w).dim() != 2 or out is None or out.dim() != 2:
+        return None
+    rest = node.args[1:]
+    if node.op == "call_function" and node.target is getattr:  # w.T / w.mT, as dynamo records them
+        return w if rest in (("T",), ("mT",)) else None
+    name = op_name(node)
+    if name == "t" and not rest:
+        return w
+    dims = rest[0] if name == "permute" and len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+    if len(dims) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    if name in ("transpose", "swapaxes", "swapdims"):  # dims 0 and 1 in either order, or as -2 and -1
+        return w if sorted(d % 2 for d in dims) == [0, 1] else None
+    return w if name == "permute" and [d % 2 for d in dims] == [1, 0] else None
+
+
+def _linear_operands(node: object) -> tuple | None:
+    """(x, weight, bias, the transpose of weight or None) when node computes F.linear(x, weight, bias):
+    an ``F.linear`` call (``nn.Linear``), or ``x @ w.t()`` (``torch.matmul``, ``Tensor.matmul``, ``torch.mm``;
+    any spelling of the transpose, _transposed_2d) with w 2-D, the tied-embedding head written out
+    (``h @ self.wte.weight.T``). A bias-free F.linear is that matmul: ATen's linear computes
+    ``matmul(input, weight.t())`` when there is no bias. Else None."""
+    if is_op(node, "linear"):
+        return (*linear_operands(node), None)
+    if not is_op(node, "matmul", "mm") or len(node.args) != 2 or node.kwargs:
+        return None
+    x, transposed = node.args
+    weight = _transposed_2d(transposed)
+    xt = tensor_meta(x)
+    if weight is None or xt is None or xt.dim() < 1 or (is_op(node, "mm") and xt.dim() != 2):
+        return None
+    return x, weight, None, transposed
+
+
 def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(linear, bias) when add is ``F.linear(x, w) + b`` (either order) with b a class bias: a tensor of the
     logits' dtype, shaped (V,) or (1, .., 1, V), so the sum is the logits of F.linear(x, w, b.reshape(-1))
@@ -181,7 +229,7 @@ def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
     pair = binary_operands(add, "add")
     if pair is None or not all(isinstance(a, torch.fx.Node) for a in pair):
         return None
-    linears = [(a, b) for a, b in (pair, pair[::-1]) if is_op(a, "linear") and b is not a]
+    linears = [(a, b) for a, b in (pair, pair[::-1]) if _linear_operands(a) is not None and b is not a]
     if not linears:
         return None
     linear, bias = linears[0]
@@ -191,7 +239,7 @@ def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
     ones = all(statically_known_true(n == 1) for n in b.shape[:-1])
     if not ones or b.dim() > logits.dim() or not statically_known_true(b.shape[-1] == logits.shape[-1]):
         return None  # not a class bias: left to the chain walk's own reason
-    if linear_operands(linear)[2] is not None:
+    if _linear_operands(linear)[2] is not None:
         raise _Miss(f"the logits add a second bias ({bias.name}) to a Linear that has one")
     if b.dtype != logits.dtype or out.dtype != logits.dtype:
         raise _Miss(f"the bias {bias.name} ({b.dtype}) added to the {logits.dtype} logits changes their "
@@ -245,10 +293,10 @@ def _row_index(step: torch.fx.Node) -> tuple | None:
 
 
 def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object]:
-    """(the F.linear node, the chain between it and the cross-entropy, whether the chain upcasts, a bias
-    added to the Linear's output in the chain or None)."""
+    """(the F.linear node (or ``x @ w.t()``, _linear_operands), the chain between it and the cross-entropy,
+    whether the chain upcasts, a bias added to the Linear's output in the chain or None)."""
     chain, upcast, node = [], False, ce_input
-    while not is_op(node, "linear"):
+    while _linear_operands(node) is None:
         added = _added_bias(node)
         if added is not None:
             chain.append(node)
@@ -346,10 +394,13 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
     args = {**args, "label_smoothing": 0.0}  # F.cross_entropy's default: nll_loss has none
     _check_arguments(args)
     for step in tail[:-1]:
-        if not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0])):
+        # a selection of rows commutes with the row-wise log_softmax: F.log_softmax(z, -1)[:, :-1] is
+        # F.log_softmax(z[:, :-1], -1), a row selection of the logits (_row_selections)
+        if not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0]) or
+                op_name(step) == "getitem" and _row_index(step) is not None):
             raise _Miss(f"the log-probabilities pass through {op_name(step) or step.target} ({step.name}) "
                         "between the log_softmax and the nll_loss, which is not a reshape keeping the class "
-                        "dimension last")
+                        "dimension last or a selection of rows")
     z, upcasts = _log_softmax_input(tail[-1])
     for node, reader in zip(tail, [nll, *tail], strict=False):
         others = [u.name for u in node.users if u is not reader]
@@ -410,6 +461,23 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     return call(torch.scatter, call(torch.full_like, flat, ignore_index), 0, positions, target), positions
 
 
+def _computed_from(node: object, source: torch.fx.Node) -> bool:
+    """Whether node's value is computed from source's (source among its ancestors)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    order = {n: i for i, n in enumerate(source.graph.nodes)}
+    pending, seen = [node], set()
+    while pending:
+        n = pending.pop()
+        if n is source:
+            return True
+        if n in seen or order[n] < order[source]:  # computed before source: not from it
+            continue
+        seen.add(n)
+        pending.extend(n.all_input_nodes)
+    return False
+
+
 def _slower_than_unfused(*inputs) -> bool:
     metas = [tensor_meta(t) for t in inputs if t is not None]
     on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
@@ -423,17 +491,32 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     logits_input and ce, latest first (empty for F.cross_entropy; the log_softmax and the reshapes after
     it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
     linear, chain, upcast, added_bias = _logits_source(logits_input)
-    slices = _row_selections(chain)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
-    x, weight, bias = linear_operands(linear)
+    slices = _row_selections(chain)
+    x, weight, bias, transposed = _linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
     logits_node = chain[-1] if added_bias is not None else linear
-    variant = " -> ".join(["F.linear", *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
+    head = "F.linear" if transposed is None else "x @ w.t()"
+    variant = " -> ".join([head, *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
     written = written_before_end({linear, *chain, ce}, ce)
     if written is not None:
         node, writer = written
         raise _Miss(f"{variant}: {node.name} is written in place by {writer.name} before the loss reads "
                     "it; the fused op, placed after its inputs, would not see the write")
+    # The logits themselves, through any view of them, the chain's own included (which written_before_end
+    # does not walk into: ``flat = logits.view(-1, V); flat.mul_(2)`` before the loss changes what it reads,
+    # which the op, computing the logits itself, would not see). After the loss too: the op keeps the
+    # logits it returns for its backward where eager's loss keeps its log-probabilities, so a write after
+    # it (``logits.div_(T)``) fails the backward that eager's runs.
+    writers = in_place_writers(logits_node)
+    if writers:
+        raise _Miss(f"{variant}: the logits {logits_node.name} are written in place by {writers[0].name}: "
+                    "the fused op would compute the loss from them unwritten and keep them for its backward "
+                    "(eager's loss keeps its log-probabilities)")
+    if _computed_from(args["target"], linear):
+        # pseudo-labels, ``F.cross_entropy(logits, logits.argmax(-1))``: the op, which computes the logits,
+        # would need its target before it runs
+        raise _Miss(f"{variant}: the target {args['target'].name} is computed from the logits")
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
     want_loss, want_logits = tensor_meta(ce), tensor_meta(logits_node)
@@ -479,7 +562,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     ce.replace_all_uses_with(loss)
     logits_node.replace_all_uses_with(logits)
     record_rewrite(FAMILY, variant + (" (logits upcast to fp32)" if upcast else ""), _OP_NAME, ce)
-    erase_unused(graph, [ce, *chain, linear])
+    erase_unused(graph, [ce, *chain, linear, *filter(None, [transposed])])
 
 
 def rewrite(graph: torch.fx.Graph) -> None:

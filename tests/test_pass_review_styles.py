@@ -689,6 +689,12 @@ class _ShiftedHiddenHead(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), labels[:, 1:].reshape(-1)), logits
 
 
+class _TiedMatmulHead(_TiedLinearHead):
+    def forward(self, x, labels):
+        logits = x @ self.emb.weight.t()
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
+
+
 CE_SAME = {
     "z_loss_second_user": (lambda: ce_suite.Head(_z_loss), (3, 7), -100),
     "module_sum_smoothing_ignore0": (
@@ -696,6 +702,8 @@ CE_SAME = {
                                                                 ignore_index=0)(lg.view(-1, V), y.view(-1))),
         (3, 7), 0),
     "tied_embedding_linear": (_TiedLinearHead, (3, 7), -100),
+    # h @ wte.weight.T: F.linear without a bias is matmul(input, weight.t()) in ATen
+    "tied_embedding_matmul": (_TiedMatmulHead, (3, 7), -100),
     "shifted_hidden_states": (_ShiftedHiddenHead, (3, 7), -100),
     # nll_loss(log_softmax(z)) is cross-entropy (more spellings: tests/test_cross_entropy_pass_nll_forms.py)
     "nll_loss_of_log_softmax": (
@@ -711,12 +719,6 @@ def test_cross_entropy_same_function_is_rewritten(name):
     ce_suite._check(make(), (torch.randn(*shape, CK), ce_suite._labels(shape, ignore=ignore)))
 
 
-class _TiedMatmulHead(_TiedLinearHead):
-    def forward(self, x, labels):
-        logits = x @ self.emb.weight.t()
-        return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
-
-
 CE_OTHER = {
     # name: (model, labels, reason or None when the pass sees no candidate)
     # the class dim split in two by the view: another classification problem
@@ -727,7 +729,6 @@ CE_OTHER = {
         lambda: ce_suite.Head(lambda lg, y: F.cross_entropy(lg.transpose(0, 1).reshape(-1, V),
                                                             y.t().reshape(-1))),
         lambda: ce_suite._labels((3, 7)), "transpose (transpose)"),
-    "tied_embedding_matmul": (_TiedMatmulHead, lambda: ce_suite._labels((3, 7)), "matmul"),
     "logits_max_subtracted": (
         lambda: ce_suite.Head(lambda lg, y: F.cross_entropy((lg - lg.amax(-1, keepdim=True)).view(-1, V),
                                                             y.view(-1))),
