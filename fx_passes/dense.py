@@ -7,15 +7,15 @@ the weight-gradient GEMM (flash_backend/ops/dense.py).
 
 What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
 backward): ``F.linear(x, w, b)`` (nn.Linear; arguments by position or keyword), or ``torch.addmm(b, x, m)``
-with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back
-to (..., N)), or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``,
-``x @ m`` with m (K, N)), or a two-operand ``torch.einsum`` that is one (``'bsk,nk->bsn'``,
-``'...k,kn->...n'``, either operand order: x's last index contracted with the 2-d operand's, the output x's
-other indices in order and then the free one; nothing else), followed by a GELU of that output. Between the
-two, any number of ``+ b`` with b a tensor of shape (N,) (either side of the add, no alpha) are taken into
-the op's bias: the bias of a bias-free Linear (``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``,
-``x @ w.t() + b``), and a second bias on a biased one (``lin(x) + b2``), passed as ``b + b2`` computed in
-the graph (autograd takes its gradient to both).
+with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back to
+(..., N)), or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``, ``x @ m``
+with m (K, N)), or a two-operand ``torch.einsum`` that is one (``'bsk,nk->bsn'``, ``'...k,kn->...n'``, either
+operand order: x's last index contracted with the 2-d operand's, the output x's other indices in order and
+then the free one; nothing else), followed by a GELU of that output (the ``torch.ops.aten`` spellings of
+linear, addmm, mm, matmul and gelu too: _ATEN). Between the two, any number of ``+ b`` with b a tensor of
+shape (N,) (either side of the add, no alpha) are taken into the op's bias: the bias of a bias-free Linear
+(``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``, ``x @ w.t() + b``), and a second bias on a biased
+one (``lin(x) + b2``), passed as ``b + b2`` computed in the graph (autograd takes its gradient to both).
 
 That is the same function. In exact arithmetic linear(x, w, b) + b2 is linear(x, w, b + b2). In floating
 point eager rounds twice, round(round(acc + b) + b2), the rewrite round(acc + round(b + b2)); each is one
@@ -31,21 +31,23 @@ The GELU after it:
 - ``F.gelu(h)`` / ``nn.GELU`` / transformers' GELUActivation, with its ``approximate`` kept exactly;
 - GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
   ``x * 0.5 * (1 + erf(x / sqrt(2)))``, ``0.5 * x * erfc(-x / sqrt(2))``): any subgraph of pointwise
-  ``mul/add/sub/div/pow/neg/square`` with constant scalars and exactly one ``tanh`` (torch or F), ``erf``
-  or ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid
-  over [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within
-  rounding (a constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function).
-  Which one it is decides ``approximate``: an erf GELU never becomes a tanh one. A float the subgraph
-  computes from dynamo's float inputs alone (dynamic=True makes ``math.pi`` in NewGELU's
-  ``math.sqrt(2.0 / math.pi)``, and module float attributes, graph inputs) is read as its value and, when the
-  rewrite is made, specialised: dynamo guards on it and retraces with it constant, as the norm pass does for
-  eps. A number computed from a size is no such constant.
+  ``mul/add/sub/div/pow/neg/square`` with constant scalars and exactly one ``tanh`` (torch or F), ``erf`` or
+  ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid over
+  [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within rounding (a
+  constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function), and that
+  neither divides by a value computed from h nor raises one to a negative power nor a number to a power of h:
+  such a term can hide a pole or a spike between the samples (``1e-13 / (h - 0.0045)``), so the grid proves
+  nothing there; it is reported (_unsampled_pole). Which one it is decides ``approximate``: an erf GELU never
+  becomes a tanh one. A float the subgraph computes from dynamo's float inputs alone (dynamic=True makes
+  ``math.pi`` in NewGELU's ``math.sqrt(2.0 / math.pi)``, and module float attributes, graph inputs) is read as
+  its value and, when the rewrite is made, specialised: dynamo guards on it and retraces with it constant, as
+  the norm pass does for eps. A number computed from a size is no such constant.
 
 The GELU may read the pre-activation cast up to fp32 (``F.gelu(lin(x).float())``, as code computing
 activations in fp32 writes it) when its fp32 result is cast straight back to the Linear's dtype
-(``.to(x.dtype)``): the op computes the GELU in fp32 and rounds it once to that dtype, which is exactly
-that (_through_upcast). Used in fp32 it is left alone, reported: the op would return it rounded. An fp32
-Linear's ``.float()`` is the identity.
+(``.to(x.dtype)``, ``.type_as(x)``): the op computes the GELU in fp32 and rounds it once to that dtype, which
+is exactly that (_through_upcast). Used in fp32 it is left alone, reported: the op would return it rounded. An
+fp32 Linear's ``.float()`` is the identity.
 
 Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
 F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
@@ -55,11 +57,12 @@ each cast's gradient back to the fp32 parameter, as eager's autocast does.
 Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
 with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
 that is written in place before it ends, under autocast an fp32 bias added after the Linear
-(``x @ w.t() + b``, ``lin(x) + b2``: eager's add promotes the output, so the GELU runs in fp32), and a
-candidate whose fused result would differ in dtype or shape from eager's (checked by running the op on the
-fake inputs). Left alone without a report, because they are not a Linear + bias + GELU the pass can prove:
-``h - b``, ``torch.add(h, b, alpha=a)``, an addend of another shape ((1, N), (M, N)), a bias add on a Linear
-output that is also read elsewhere, a GELU written with two transcendental calls, sigmoid forms.
+(``x @ w.t() + b``, ``lin(x) + b2``: eager's add promotes the output, so the GELU runs in fp32), a GELU
+written out with a pole or a spike the grid cannot see, and a candidate whose fused result would differ in
+dtype or shape from eager's (checked by running the op on the fake inputs). Left alone without a report,
+because they are not a Linear + bias + GELU the pass can prove: ``h - b``, ``torch.add(h, b, alpha=a)``, an
+addend of another shape ((1, N), (M, N)), a bias add on a Linear output that is also read elsewhere, a GELU
+written with two transcendental calls, sigmoid forms.
 """
 
 from __future__ import annotations
@@ -93,7 +96,12 @@ FAMILY = "dense"
 _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
 _TRANSCENDENTAL = ("tanh", "erf", "erfc")
-_CASTS = {"float", "to", "type", "half", "bfloat16"}
+_CASTS = {"float", "to", "type", "type_as", "half", "bfloat16"}
+# torch.ops.aten's spellings of the ops matched here (``torch.ops.aten.gelu(h)``, ``aten.linear.default``),
+# which dynamo records as the op packet or overload itself and _match.op_name does not name: the same
+# functions, with the same arguments in the same positions. Only the packet and its .default overload:
+# ``.out`` writes into its out= tensor, and addmm / mm ``.dtype`` compute in another dtype.
+_ATEN = ("gelu", "linear", "addmm", "mm", "matmul")
 _POINTWISE = {"mul", "add", "sub", "div", "pow", "neg", "square", *_TRANSCENDENTAL}
 _MAX_WRITTEN_OUT = 16  # nodes of a written-out GELU (NewGELU has 8)
 # Where a written-out GELU is compared with F.gelu: densely over [-8, 8], where the two GELUs differ, and at
@@ -115,6 +123,22 @@ class _Miss(Exception):
 
 def _fused_op():
     return fused_op(_OP_MODULE, "linear_bias_gelu")
+
+
+def _aten_name(node: object) -> str | None:
+    """The name in _ATEN of a ``torch.ops.aten.<name>`` / ``.default`` call node, else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    for name in _ATEN:
+        packet = getattr(torch.ops.aten, name)
+        if node.target is packet or node.target is packet.default:
+            return name
+    return None
+
+
+def _is(node: object, *names: str) -> bool:
+    """is_op, and the torch.ops.aten spellings of the ops in _ATEN."""
+    return is_op(node, *names) or _aten_name(node) in names
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,17 +259,17 @@ def _linear_inputs(node: torch.fx.Node):
     """(variant, x, weight-or-None, transposed-weight-or-None, bias, pre-activation) of a Linear-like node,
     else None. The pre-activation is the node whose value the GELU must take: the node itself, the bias add
     after a matmul, or Conv1D's view back to (..., N) after an addmm."""
-    if is_op(node, "linear"):
+    if _is(node, "linear"):
         x, w, b = linear_operands(node)
         return "F.linear", x, w, None, b, node
-    if is_op(node, "matmul", "mm"):
+    if _is(node, "matmul", "mm"):
         return _matmul_linear(node)
     if is_op(node, "einsum"):
         return _einsum_linear(node)
-    if is_op(node, "addmm") and node.op == "call_function":
+    if _is(node, "addmm") and node.op == "call_function":
         if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
             raise _Miss("addmm has alpha/beta other than 1")
-        b, x, m = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
+        b, x, m = arg(node, 0, "input", node.kwargs.get("self")), arg(node, 1, "mat1"), arg(node, 2, "mat2")
         bt = tensor_meta(b)
         if bt is None or bt.dim() != 1:
             raise _Miss("addmm's bias is not a 1-d (N,) tensor")
@@ -328,13 +352,40 @@ def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, 
     return values[end]
 
 
+def _unsampled_pole(region: set[torch.fx.Node], h: torch.fx.Node, constants: dict[torch.fx.Node, float]):
+    """Why the region may differ from the GELU between the points of _GRID where it equals it, else None: it
+    divides by a value computed from h, or raises one to a negative power, or raises a number to a power
+    computed from h. Such a term can hide a pole or a spike between samples: ``1e-13 / (h - 0.0045)`` adds
+    less than 1e-9 at every point of _GRID and is infinite at h = 0.0045, where a Linear's output lands
+    (a zero input row with that bias); ``1e20 ** (-1e10 * (h - c) ** 2)`` is 0 at every sample and 1 at c.
+    Without them the region is polynomials in h under one tanh, erf or erfc, which samples this dense pin
+    down; and no GELU spelling divides by h or puts it in an exponent."""
+
+    def from_h(a):
+        return a is h or a in region
+
+    for n in region:
+        if op_name(n) == "div" and from_h(arg(n, 1, "other")):
+            return f"{n.name} divides by a value computed from the pre-activation"
+        if op_name(n) == "pow":
+            base, exponent = arg(n, 0, "input"), arg(n, 1, "exponent")
+            if from_h(exponent):
+                return f"{n.name} raises to a power computed from the pre-activation"
+            exponent = constants.get(exponent, exponent)
+            if from_h(base) and (not is_number(exponent) or exponent < 0):
+                return f"{n.name} raises a value computed from the pre-activation to the power {exponent}"
+    return None
+
+
 def _match_written_out(h: torch.fx.Node):
     """(approximate, end, region, constants) for GELU written out on h, else None. constants: the symbolic
-    floats it reads (_symbolic_constant), with their values, which a rewrite bakes in."""
+    floats it reads (_symbolic_constant), with their values, which a rewrite bakes in. _Miss when a region
+    equals a GELU on the grid but may not between its points (_unsampled_pole)."""
     candidates = _descendants(h, _MAX_WRITTEN_OUT)
     allowed = set(candidates)
     with torch.no_grad():
         ref = {a: torch.nn.functional.gelu(_GRID, approximate=a) for a in ("none", "tanh")}
+    doubt = None
     for end in candidates:
         constants: dict[torch.fx.Node, float] = {}
         region = _ancestors_within(end, h, allowed, constants)
@@ -352,7 +403,15 @@ def _match_written_out(h: torch.fx.Node):
             if bool(((y - r).abs() <= 1e-9 * r.abs().clamp_min(1.0)).all()):
                 if not _same_in_dtype(region, h, end, approximate, constants):
                     break
+                pole = _unsampled_pole(region, h, constants)
+                if pole is not None:
+                    kind = "tanh" if approximate == "tanh" else "erf"
+                    doubt = doubt or (f"GELU written out ({kind}) where sampled, but {pole}: not provably "
+                                      "the GELU between the samples; not fused")
+                    break
                 return approximate, end, region, constants
+    if doubt is not None:
+        raise _Miss(doubt)
     return None
 
 
@@ -382,7 +441,7 @@ def _same_in_dtype(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.N
 def _gelu_after(h: torch.fx.Node):
     """(variant, approximate, end, region, constants) of the GELU applied to h, else None."""
     for u in h.users:
-        if is_op(u, "gelu"):
+        if _is(u, "gelu"):
             approximate = arg(u, 1, "approximate", "none")
             if approximate not in ("none", "tanh"):
                 raise _Miss(f"F.gelu approximate={approximate!r} is not 'none' or 'tanh'")
@@ -481,12 +540,15 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if found is None:
         return False
     variant, x, weight, mat2, bias, h = found
-    view = h if is_op(linear, "addmm") and h is not linear else None
+    view = h if _is(linear, "addmm") and h is not linear else None
     added, spelled = _added_biases(h, bias is not None)
     if added:
         h = added[-1][0]
     up = _upcast_after(h)
-    gelu = _gelu_after(up if up is not None else h)
+    try:
+        gelu = _gelu_after(up if up is not None else h)
+    except _Miss as miss:  # the GELU's own reason, after the Linear it follows
+        raise _Miss(f"{variant}{spelled} + {miss}") from None
     if gelu is None:
         return False
     gelu_variant, approximate, end, region, constants = gelu
@@ -589,7 +651,7 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    linears = [n for n in graph.nodes if is_op(n, "linear", "addmm", "matmul", "mm", "einsum")]
+    linears = [n for n in graph.nodes if _is(n, "linear", "addmm", "matmul", "mm", "einsum")]
     for node in linears:
         if node.graph is not graph:
             continue
