@@ -54,7 +54,9 @@ after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + e
 eps added to or a clamp of the 2-norm's root mean square (``x / (norm * N ** -0.5 + eps)``, Zhang &
 Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains'). So is a pattern one of whose tensors is
 written in place before it ends (dynamo reads it by one node before and after the write); and a cast that
-loses values (bf16 -> fp16 loses range) is never folded as an upcast. Nor is a hand-written statistic computed
+loses values (bf16 -> fp16 loses range) is never folded as an upcast. Nor is a rounding of the result
+(``.bfloat16()``, or a bf16 ``w * x`` scaled in fp32) folded when a later step widens it again (``* w_fp32``,
+``.float()``): the op rounds once, to its output's dtype. Nor is a hand-written statistic computed
 in float16 (its squares, a ``var`` / ``var_mean``, a 2-norm; not upcast first): it overflows past 65504, a
 square once |x| > 256, where the fused op's fp32 statistics do not, and eager's output is then 0 or NaN.
 """
@@ -435,6 +437,7 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
             t = tensor_meta(weight)
             if accept(value) and t is not None and t.dim() == 1 and _same_size(t.shape[0], n) \
                     and not _depends_on(weight, {source}):
+                _check_product_kept(candidate, user)
                 return _Scaled(user, value, weight, candidate)
     for user in root.users:
         if binary_other(user, "add", root) is not None and _is_scalar(binary_other(user, "add", root)):
@@ -442,6 +445,16 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
                         "LayerNorm / RMSNorm add it: not the same function")
     form = "value / sqrt(...)" if is_sqrt else "value * rsqrt(...)"
     raise _Miss(f"{root.name} does not scale the normalised value as {form}")
+
+
+def _check_product_kept(weighted: torch.fx.Node, out: torch.fx.Node) -> None:
+    """``(w * x) * rsqrt(..)`` with w and x in bf16 and the statistic upcast: eager rounds the product to bf16
+    and widens it to the fp32 result, which then has bf16 precision; the op multiplies by the weight in fp32
+    and rounds once. Not the same function (as a rounding cast in the tail, see _check_rounding_kept)."""
+    a, b = tensor_meta(weighted), tensor_meta(out)
+    if a is not None and b is not None and torch.promote_types(a.dtype, b.dtype) != a.dtype:
+        raise _Miss(f"the value times the weight ({weighted.name}) is rounded to {a.dtype} and widened to "
+                    f"{b.dtype} by the scaling: the fused op, multiplying in float32, would not round it")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -823,7 +836,8 @@ def _match_two_norm_rms(norm: torch.fx.Node) -> _Core | None:
             raise _Miss(f"the 2-norm's scale {getattr(c, 'name', c)} or the size {n} is symbolic (dynamic "
                         "shapes): it cannot be proven to be 1 / sqrt(N)")
         return None
-    if abs((n / (c * c) if inverse else c * c * n) - 1) > 1e-6:
+    # c > 0: the test on c * c alone took ``x / (norm * -N ** -0.5)``, the RMSNorm with its sign flipped
+    if c <= 0 or abs((n / (c * c) if inverse else c * c * n) - 1) > 1e-6:
         return None  # a norm, but not scaled to a root mean square (F.normalize-like): not a candidate
     variant = "hand-written RMSNorm (2-norm / sqrt(N))"
     for user in rms.users:
@@ -1024,6 +1038,13 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
     crossing = state_crossing(pattern | {end})
     if crossing:
         raise _Miss(crossing)
+    _check_rounding_kept(core.tail, end)
+    for what, operand in (("weight", core.weight), ("bias", core.bias)):
+        # F.layer_norm(h, (N,), weight=f(h)): the op would read a value computed from its own residual output,
+        # a cycle in the graph (the hand-written weights and the tail's are checked where they are found)
+        if operand is not None and _depends_on(operand, pattern):
+            raise _Miss(f"the {what} {operand.name} is computed from the normalised tensor or its inputs' "
+                        "sum: the fused op cannot read it")
     h = inputs.h
     return_residual = h is not None and any(u not in pattern for u in h.users)
     args = (inputs.x, inputs.residual, core.weight, core.bias)
@@ -1047,6 +1068,20 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
             raise _Miss(f"the residual output would be {res.dtype}, eager's sum is {hv.dtype}")
     _check_not_written(pattern, end)
     return args, kwargs, return_residual, pattern
+
+
+def _check_rounding_kept(tail, end: torch.fx.Node) -> None:
+    """A folded cast that rounds (fp32 -> bf16 / fp16) is the op's own rounding of its result only when
+    nothing after it widens the value again: ``norm(x).bfloat16() * w_fp32`` or ``.half().float()`` is an fp32
+    result with bf16 / fp16 precision, which the op, rounding once to its fp32 output, would not give."""
+    want = tensor_meta(end)
+    for kind, node, _ in tail:
+        if kind != "cast" or _is_exact_cast(node) or want is None:
+            continue
+        dtype = tensor_meta(node).dtype
+        if torch.promote_types(dtype, want.dtype) != dtype:
+            raise _Miss(f"the normalised value is rounded to {dtype} by {node.name} and widened to "
+                        f"{want.dtype} after it: the fused op would not round it there")
 
 
 def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node) -> None:
