@@ -55,6 +55,37 @@ def _fresh_dynamo_and_counters(monkeypatch):
     yield
 
 
+def _triton_language_namespaces():
+    """The module and class namespaces Triton's interpreter patches while it runs a kernel."""
+    import triton.language as tl
+
+    return [tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
+
+
+_LANGUAGE_SNAPSHOT = [(ns, dict(vars(ns))) for ns in _triton_language_namespaces()]
+
+
+@pytest.fixture(autouse=True)
+def _undo_leaked_interpreter_patches():
+    """Put triton.language back as it was imported, after every test.
+
+    Triton 3.6's interpreter patches triton.language builtins with interpreted versions for each kernel it
+    runs and restores them afterwards, except for the nested @triton.jit functions a kernel calls
+    (InterpretedFunction.__call__ of a device function drops its patch scope). Triton's own tl.random
+    helpers (our dropout's Philox) import tl.core, so tl.core.program_id, to_tensor, arange, ... stay
+    interpreted. A Gluon kernel compiled for sm_90 later in the same process (the *_hopper compile tests)
+    then failed with "'ir.value' object has no attribute 'dtype'", depending on the order the tests ran.
+    """
+    yield
+    for ns, snapshot in _LANGUAGE_SNAPSHOT:
+        current = vars(ns)
+        for name in [n for n in current if n not in snapshot]:
+            delattr(ns, name)
+        for name, value in snapshot.items():
+            if current.get(name, snapshot) is not value:
+                setattr(ns, name, value)
+
+
 @pytest.fixture
 def interpreter():
     """Run the kernels under TRITON_INTERPRET=1 on CPU (conftest sets it when there is no GPU)."""

@@ -15,7 +15,11 @@ from torch._C._functorch import TransformType, peek_interpreter_stack
 
 def refuse_forward_ad(name: str, *tensors) -> None:
     """Raise NotImplementedError when forward-mode AD would see this call (tensors: the inputs, None
-    allowed)."""
+    allowed). Traced by dynamo (our functions called inside a compiled model), it checks nothing: dynamo
+    cannot trace the functorch stack query, and the graph it builds goes through the ops' registered
+    autograd."""
+    if torch.compiler.is_compiling():
+        return
     if peek_interpreter_stack() is not None:
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
