@@ -14,7 +14,14 @@ exactly what its ATen op returns (layout of out, shape of logsumexp, seed/offset
 that and copies into it when the op's own allocation differs. Input the kernel cannot take (fp32,
 head dims, dropout: the aten seed/offset slots cannot carry our RNG state between forward and backward)
 goes to the original kernel captured before overriding (never back into the overridden op), with the
-reason logged once. Forward and backward decide with the same predicate, so a pair never mixes kernels.
+reason logged once. Forward and backward decide with the same predicate, so a pair never mixes kernels
+(except a flash forward with return_debug_mask, which only the original can fill: its backward is ours).
+
+Semantics are each aten op's: is_causal is top-left for the efficient and cuDNN ops (SDPA's), bottom-right
+for the flash op (FlashAttention-2's; SDPA sends it square causal calls only, causal_lower_right non-square
+ones); masks arrive as SDPA prepared them (bool converted to additive, expanded for the efficient op, as
+given for cuDNN). A query row whose keys are all masked (-inf) gives 0 and zero gradients, as SDPA's math
+path does; PyTorch's fused kernels may not (a finite fill such as cuDNN's for bool masks is not a mask).
 """
 
 from __future__ import annotations
@@ -63,12 +70,21 @@ def unsupported_reason(query, key, value, attn_bias=None, dropout_p=0.0) -> str 
     d, dv = query.shape[-1], value.shape[-1]
     if d != key.shape[-1] or d != dv:
         return f"head dims q {d}, k {key.shape[-1]}, v {dv} differ"
-    if d % 8 or d > MAX_HEAD_DIM:
-        return f"head_dim {d} (the kernel takes multiples of 8 up to {MAX_HEAD_DIM})"
+    if d % 8 or d > MAX_HEAD_DIM or d == 0:  # 0 passes `d % 8 == 0`; the kernel has no empty tile
+        return f"head_dim {d} (the kernel takes multiples of 8 from 8 up to {MAX_HEAD_DIM})"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
         return f"heads q {query.shape[1]}, k {key.shape[1]}, v {value.shape[1]}"
     if not (query.shape[0] == key.shape[0] == value.shape[0]):
         return "batch sizes differ"
+    # B or S = 0: nothing to gain, and what such a call gives (or raises) is PyTorch's kernel's to say.
+    if query.numel() == 0 or key.numel() == 0:
+        return f"empty inputs: q {tuple(query.shape)}, k {tuple(key.shape)}"
+    # SDPA rejects these before its kernels; a direct call of the aten op must get the aten op's error, not a
+    # kernel reading past v or a mask it cannot address.
+    if key.shape[2] != value.shape[2]:
+        return f"k and v sequence lengths differ: {key.shape[2]} and {value.shape[2]}"
+    if attn_bias is not None and attn_bias.device != query.device:
+        return f"attn_bias on device {attn_bias.device}, query on {query.device}"
     if attn_bias is not None:
         full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         if attn_bias.dim() > 4 or any(
@@ -114,7 +130,14 @@ def _bias4(attn_bias):
     return attn_bias.view((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
-def _forward(query, key, value, attn_bias, is_causal, scale):
+# Where is_causal puts the diagonal when Sq != Sk differs between the ops: the efficient and cuDNN ops
+# align it top-left (SDPA's documented causal), FlashAttention-2's op bottom-right. SDPA never sends a
+# non-square causal call to the flash op, but torch.nn.attention.bias.causal_lower_right calls that op
+# directly with Sq != Sk and relies on its bottom-right meaning; with Sq == Sk the two agree.
+_FLASH_OP_BOTTOM_RIGHT = True
+
+
+def _forward(query, key, value, attn_bias, is_causal, scale, bottom_right=False):
     return torch.ops.flash.attention_forward(
         query,
         key,
@@ -125,11 +148,13 @@ def _forward(query, key, value, attn_bias, is_causal, scale):
         _scale(query, scale),
         -1,
         0 if is_causal else -1,
-        False,
+        bottom_right,
     )
 
 
-def _backward(grad_out, query, key, value, out, lse, attn_bias, is_causal, scale, compute_dbias):
+def _backward(
+    grad_out, query, key, value, out, lse, attn_bias, is_causal, scale, compute_dbias, bottom_right=False
+):
     return torch.ops.flash.attention_backward(
         grad_out,
         query,
@@ -143,7 +168,7 @@ def _backward(grad_out, query, key, value, out, lse, attn_bias, is_causal, scale
         _scale(query, scale),
         -1,
         0 if is_causal else -1,
-        False,
+        bottom_right,
         compute_dbias,
         torch.are_deterministic_algorithms_enabled(),
     )
@@ -174,7 +199,7 @@ def _flash_fwd(
         return _original(op).call_boxed(
             keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale
         )
-    out, lse = _forward(query, key, value, None, is_causal, scale)
+    out, lse = _forward(query, key, value, None, is_causal, scale, _FLASH_OP_BOTTOM_RIGHT)
     out = _into(out, torch.empty_like(query))
     rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
@@ -221,7 +246,9 @@ def _flash_bwd(
             philox_offset,
             scale=scale,
         )
-    dq, dk, dv, _ = _backward(grad_out, query, key, value, out, logsumexp, None, is_causal, scale, False)
+    dq, dk, dv, _ = _backward(
+        grad_out, query, key, value, out, logsumexp, None, is_causal, scale, False, _FLASH_OP_BOTTOM_RIGHT
+    )
     return (
         _into(dq, torch.empty_like(query)),
         _into(dk, torch.empty_like(key)),
@@ -286,7 +313,12 @@ def _efficient_bwd(
             scale=scale,
         )
     compute_dbias = attn_bias is not None and bool(grad_input_mask[3])
-    lse = logsumexp[..., : query.shape[2]]
+    if logsumexp.shape[-1] < query.shape[2]:
+        # SDPA asks the forward for no logsumexp when only attn_mask requires grad (q, k, v do not;
+        # pytorch#148476, where PyTorch's own kernel then reads past the empty tensor): recompute it.
+        _, lse = _forward(query, key, value, attn_bias, is_causal, scale)
+    else:
+        lse = logsumexp[..., : query.shape[2]]
     dq, dk, dv, dbias = _backward(
         grad_out, query, key, value, out, lse, attn_bias, is_causal, scale, compute_dbias
     )
