@@ -221,6 +221,10 @@ def _check_leading_reshape(node: Node, what: str):
     src, dst = _shape(node.args[0]), _shape(node)
     if src is None or dst is None:
         raise _Skip(f"'{node.name}' has no shape information")
+    if _dtype(node) != _dtype(node.args[0]):
+        # x.view(dtype) reinterprets the bits (float16 scores read as bfloat16): another function
+        raise _Skip(f"'{node.name}' reinterprets the {what} as {_dtype(node)} (a view that changes the "
+                    "dtype)")
     if (
         len(src) < 3
         or len(dst) < 3
@@ -335,6 +339,51 @@ class _Masks:
         if keep is None or keep.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)):
             return None
         return keep.broadcast_to(keep.shape[:-2] + (sq, sk)).cpu()
+
+    def constant_dead_row(self, sq, sk) -> Node | None:
+        """A mask whose compile-time constant part leaves a query row with no visible key (a causal band
+        off by one, ``tril(diagonal=-1)``; bottom-right causal with Sq > Sk), else None.
+
+        The op gives 0 on such rows (on a finite additive mask, not eager's average either); eager's
+        softmax gives NaN (-inf) or the uniform average of v (a finite fill such as finfo.min). For a
+        runtime mask that is a degenerate input, reported; a constant one has that row for every input,
+        so the rewrite would change the model's function. Each mask is looked at alone (a row is dead if
+        one mask kills it); for a keep mask a & b & ..., its constant factors."""
+        if not (isinstance(sq, int) and isinstance(sk, int)):
+            return None
+        candidates: list[tuple[Node, object, bool]] = []  # (mask, constant part, value is a keep mask)
+        for node, negate in self.keeps:
+            for factor in [node] if negate else _keep_factors(node):
+                candidates.append((node, factor, not negate))
+        for node in self.additive:
+            candidates.append((node, node, False))
+            # transformers' where(keep, 0, finfo.min) with a runtime padding factor: its constant factors
+            if node not in self.negated and op_name(node) == "where" and len(node.args) == 3 \
+                    and _dtype(node.args[0]) == torch.bool:
+                cond, a, b = node.args
+                a, b = _const_scalar(a), _const_scalar(b)
+                if a == 0 and b is not None and b <= _ADDITIVE_MASKED:
+                    candidates += [(node, factor, True) for factor in _keep_factors(cond)]
+                elif b == 0 and a is not None and a <= _ADDITIVE_MASKED:
+                    candidates.append((node, cond, False))
+        for node, part, is_keep in candidates:
+            try:
+                value = torch.as_tensor(_const_eval(part)).cpu()
+            except Exception:  # noqa: BLE001 - a runtime mask or factor
+                continue
+            if part is node and node in self.additive:
+                value = -value if node in self.negated else value
+                visible = ~(value <= _ADDITIVE_MASKED)  # NaN counts as visible: not a mask this proves
+            else:
+                visible = value.to(torch.bool) if is_keep else ~value.to(torch.bool)
+            visible = visible.reshape((1,) * max(0, 2 - visible.dim()) + tuple(visible.shape))
+            try:
+                visible = visible.broadcast_to(visible.shape[:-2] + (sq, sk))
+            except RuntimeError:
+                continue
+            if bool((~visible.any(-1)).any()):
+                return node
+        return None
 
     def build(self, graph: Graph, like: Node, sq: int, sk: int):
         """(attn_mask node or None, causal) for flash_attention; causal with a mask means window (-1, 0)."""
@@ -501,7 +550,9 @@ def _zero_or_masked(node, factor: float, depth: int = 12) -> bool:
             node.args[2], factor, depth - 1)
     if name == "add" and len(node.args) == 2 and not node.kwargs:
         return all(_zero_or_masked(a, factor, depth - 1) for a in node.args)
-    if name in _MASK_PASSTHROUGH and isinstance(node.args[0], Node) and tensor_meta(node.args[0]) is not None:
+    if (name in _MASK_PASSTHROUGH and isinstance(node.args[0], Node) and tensor_meta(node.args[0]) is not None
+            # a view to another dtype reinterprets the bits: not the values of its argument
+            and (name != "view" or _dtype(node.args[0]) == meta.dtype)):
         if _zero_or_masked(node.args[0], factor, depth - 1):
             return True
     if meta.numel() <= _CONST_EVAL_MAX_NUMEL:
@@ -1209,8 +1260,9 @@ def _feeds_matmul(node: Node, depth: int = 8) -> bool:
 
 def _dropout_p(node: Node):
     """The dropout probability in effect: 0 outside training, else p (a number, or a SymFloat node)."""
-    name = op_name(node)
-    train_kw = "train" if name == "dropout" and node.target is torch.dropout else "training"
+    # torch.dropout and its in-place torch.dropout_ name the flag `train`; F.dropout names it `training`
+    train_kw = "train" if node.op == "call_function" and node.target in (torch.dropout, torch.dropout_) \
+        else "training"
     p, training = arg(node, 1, "p", 0.5), arg(node, 2, train_kw, True)
     if training is False:
         return 0.0
@@ -1526,6 +1578,11 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     mm = _scores_side(cand, softmax, x, softmax_nodes)
     _qk(cand, mm)
     cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
+    dead = cand.masks.constant_dead_row(_shape(mm)[-2], _shape(mm)[-1])
+    if dead is not None:
+        raise _Skip(f"the constant mask '{dead.name}' leaves a query row with no visible key for every "
+                    "input: eager's softmax gives NaN (-inf fill) or the uniform average of v (finite fill) "
+                    "there, the op 0")
     pv, probs = _probs_side(cand, softmax)
     _pv(cand, pv, probs)
     cand.chain.append(softmax)
