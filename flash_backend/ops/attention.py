@@ -21,6 +21,9 @@ Conventions shared by the reference and the kernels:
   right = 0.
 - attn_mask is a 4-d view whose dims are 1 or full (stride 0 broadcast): bool (True = keep) or additive.
 - a fully masked row yields out = 0 and logsumexp = +inf, so that exp(s - lse) = 0 in the backward.
+- a row that a finite additive mask as large as finfo.min blocks entirely is not fully masked: the reference
+  gives eager's softmax there (the average of v); the kernels scale the mask by log2(e), which overflows
+  such a fill to -inf, and give 0 (bf16 / fp16 on CUDA; a documented difference from eager).
 - dropout: one Philox-4x32-7 call (Triton's tl.random.philox, 7 rounds) per 8 keys of a query row. Key j
   (inside the sequence) is split as j = 32a + 8b + 2c + e (a >= 0, b, c in 0..3, e in 0..1); it belongs to
   call g = 4a + c with counter (i * 4 * ceil(Sk / 32) + g, b * H + h, 0, 0) and takes word b of the 4
@@ -148,6 +151,23 @@ def _probs(s, lse):
     return torch.exp(s - lse.unsqueeze(-1))
 
 
+def _softmax_with_lse(s):
+    """Probabilities softmax(s) over the last dim (0 on a row whose scores are all -inf) and the row's
+    logsumexp (+inf there), in s's dtype.
+
+    Divided by the row sum, not exp(s - lse): a row that a finite mask as large as finfo.min blocks entirely
+    (transformers' padded rows) has scores that are all about -3.4e38, whose lse rounds to its max (log(n) is
+    absorbed), so exp(s - lse) gave every key probability 1 and the output sum(v) where eager's softmax
+    gives the average of v."""
+    peak = s.amax(-1, keepdim=True)
+    dead = torch.isneginf(peak)
+    e = torch.exp(s - torch.where(dead, torch.zeros_like(peak), peak))
+    total = e.sum(-1, keepdim=True)
+    p = torch.where(dead, torch.zeros_like(e), e / torch.where(dead, torch.ones_like(total), total))
+    lse = torch.where(dead, torch.full_like(peak, float("inf")), peak + torch.log(total)).squeeze(-1)
+    return p, lse
+
+
 def attention_reference(q, k, v, attn_mask=None, seed=None, dropout_p=0.0, scale=None, window_left=-1,
                         window_right=-1, bottom_right=False, upcast=True):
     """out (q.dtype) and logsumexp (fp32, +inf on fully masked rows) on (B, H, S, D) tensors.
@@ -156,9 +176,8 @@ def attention_reference(q, k, v, attn_mask=None, seed=None, dropout_p=0.0, scale
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, upcast)
-    lse = torch.logsumexp(s.to(_acc_dtype(s)), dim=-1)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    p = _probs(s, lse.to(s.dtype))
+    _, lse = _softmax_with_lse(s.to(_acc_dtype(s)))
+    p, _ = _softmax_with_lse(s)
     if dropout_p > 0.0:
         B, H, Sq, Sk = s.shape
         keep = dropout_keep_mask(seed, dropout_p, B, H, Sq, Sk, q.device)
@@ -184,7 +203,7 @@ def attention_backward_reference(dout, q, k, v, out, lse, attn_mask=None, seed=N
     group = Hq // Hkv
     acc = _acc_dtype(q)
     s = _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, True)
-    p = _probs(s, lse.to(acc))
+    p, _ = _softmax_with_lse(s)  # recomputed, not exp(s - lse): _softmax_with_lse says why
     do = dout.to(acc)
     vf = v.to(acc).repeat_interleave(group, dim=1)
     dp = torch.matmul(do, vf.transpose(-1, -2))
