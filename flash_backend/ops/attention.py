@@ -176,8 +176,10 @@ def attention_reference(q, k, v, attn_mask=None, seed=None, dropout_p=0.0, scale
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, upcast)
-    _, lse = _softmax_with_lse(s.to(_acc_dtype(s)))
-    p, _ = _softmax_with_lse(s)
+    s_acc = s.to(_acc_dtype(s))
+    p, lse = _softmax_with_lse(s_acc)
+    if s_acc.dtype != s.dtype:  # upcast=False: the probabilities in the input dtype, the lse in fp32
+        p, _ = _softmax_with_lse(s)
     if dropout_p > 0.0:
         B, H, Sq, Sk = s.shape
         keep = dropout_keep_mask(seed, dropout_p, B, H, Sq, Sk, q.device)
