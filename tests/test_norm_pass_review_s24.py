@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_norm_pass import EPS, Fn, N, _assert_same, _check_near_miss, _check_rewrite, _rewritten, _x
+from test_norm_pass_styles import _check_untouched
 from torch._dynamo.utils import counters
 
 from fx_passes import collecting
@@ -33,16 +34,6 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
 def _seeded():
     # low-precision comparisons: fixed inputs, so that a value on a rounding boundary cannot come and go
     torch.manual_seed(0)
-
-
-def _check_untouched(model, args):
-    """Nothing is rewritten, and the model still runs as eager (gradients too)."""
-    counters.clear()
-    with collecting() as report:
-        compiled, _ = _rewritten(model)
-        _assert_same(model, compiled, args)
-    assert counters["flash"]["norm"] == 0, str(report)
-    return report
 
 
 def _rms(x):

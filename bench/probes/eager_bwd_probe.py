@@ -5,25 +5,20 @@
 import cProfile
 import io
 import pstats
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from flash_backend.ops import attention as A
 from flash_backend.ops._eager import plain_launch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing  # noqa: E402  (bench/probes/_timing.py, beside this file)
+
 
 def host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+    return _timing.host_us(fn, n, warmup=10)
 
 
 def graph_us(fn, n=50):

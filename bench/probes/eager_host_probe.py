@@ -2,7 +2,8 @@
 
 # ruff: noqa: B023  (each closure is timed inside the loop iteration that defines it)
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -12,18 +13,12 @@ from triton.runtime import driver
 from flash_backend.kernels import attention_fwd
 from flash_backend.ops.attention import flash_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing  # noqa: E402  (bench/probes/_timing.py, beside this file)
+
 
 def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+    return _timing.host_us(fn, n, warmup=20)
 
 
 rec = []

@@ -2,13 +2,17 @@
 
 # ruff: noqa: B023  (each closure is timed inside the loop iteration that defines it)
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from flash_backend._fast_launch import fast_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import step_us  # noqa: E402  (bench/probes/_timing.py, beside this file)
 
 
 @triton.jit
@@ -45,22 +49,8 @@ dout = torch.randn_like(x)
 
 
 def run(fn, n=300):
-    for _ in range(20):
-        torch.autograd.grad(fn(x), (x,), dout)
-    torch.cuda.synchronize()
-    tf = tg = 0.0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        a = time.perf_counter()
-        o = fn(x)
-        b = time.perf_counter()
-        torch.autograd.grad(o, (x,), dout)
-        c = time.perf_counter()
-        tf += b - a
-        tg += c - b
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6, tf / n * 1e6, tg / n * 1e6
+    host, _, fwd, grad = step_us(lambda: fn(x), (x,), dout, n)
+    return host, fwd, grad
 
 
 for name, F in [

@@ -3,13 +3,16 @@
 # ruff: noqa: B023  (each closure is timed inside the loop iteration that defines it)
 
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_backend.ops import attention as A
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import step_us  # noqa: E402  (bench/probes/_timing.py, beside this file)
 
 
 class Ident(torch.autograd.Function):
@@ -23,28 +26,8 @@ class Ident(torch.autograd.Function):
 
 
 def run(name, fwd, inputs, dout, n=200):
-    for _ in range(20):
-        o = fwd()
-        torch.autograd.grad(o, inputs, dout)
-    torch.cuda.synchronize()
-    tf = tg = 0.0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        a = time.perf_counter()
-        o = fwd()
-        b = time.perf_counter()
-        torch.autograd.grad(o, inputs, dout)
-        c = time.perf_counter()
-        tf += b - a
-        tg += c - b
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    print(
-        f"  {name:44s} host {(t1 - t0) / n * 1e6:7.1f} wall {(t2 - t0) / n * 1e6:7.1f}  "
-        f"fwd {tf / n * 1e6:6.1f}  grad {tg / n * 1e6:6.1f}",
-        flush=True,
-    )
+    host, wall, f, g = step_us(fwd, inputs, dout, n)
+    print(f"  {name:44s} host {host:7.1f} wall {wall:7.1f}  fwd {f:6.1f}  grad {g:6.1f}", flush=True)
 
 
 B, H, S, D = 64, 12, 197, 64
