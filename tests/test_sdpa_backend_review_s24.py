@@ -193,8 +193,13 @@ def _run(args, kwargs, grad_mask):
     if grad_mask:
         kw["attn_mask"] = kw["attn_mask"].detach().clone().requires_grad_()
     out = F.scaled_dot_product_attention(*leaves, **kw)
-    torch.manual_seed(1)
-    out.backward(torch.randn_like(out))
+    if out is None:  # PyTorch 2.11's CUDA SDPA returns None for B = 0 or head_dim 0 (seen on the H200)
+        return None, []
+    # The upstream gradient by logical index: randn_like fills memory in order, so two runs whose outputs
+    # differ in layout (ours follows the op's meta, PyTorch's cuDNN kernel returns contiguous) would be
+    # given different gradients (session 25, the `expanded` case).
+    gen = torch.Generator().manual_seed(1)
+    out.backward(torch.randn(out.shape, generator=gen).to(out.device, out.dtype))
     grads = [t.grad for t in leaves] + ([kw["attn_mask"].grad] if grad_mask else [])
     return out.detach(), grads
 
@@ -235,6 +240,9 @@ def _compare_with_default(args, kwargs, grad_mask=False, expect_routed=True, dea
     sdpa.deactivate()
     if expect_routed:
         assert routed >= 2, sdpa.calls
+    if default[0] is None:  # PyTorch's answer for an empty call, and ours: the call stayed with PyTorch
+        assert ours[0] is None and not routed, sdpa.calls
+        return "both return None"
     with sdpa_kernel(SDPBackend.MATH):
         ref = _run([a.float() for a in args], _reference_kwargs(args, kwargs), grad_mask)
     live = torch.ones(ours[0].shape[2], dtype=torch.bool, device=ours[0].device)
@@ -250,11 +258,16 @@ def _compare_with_default(args, kwargs, grad_mask=False, expect_routed=True, dea
         elif dead_rows:  # a kernel's NaN on a dead row reaches dK / dV: compare where PyTorch's is finite
             finite = d.isfinite()
             o, d, r = o[finite], d[finite], r[finite]
-        assert torch.equal(o.isnan(), d.isnan()), f"NaN positions differ in result {i}"
+        # NaN where the fp32 math path has NaN. PyTorch's cuDNN and FLASH kernels give NaN for a causal
+        # call with scale <= 0 (-inf * 0, -inf * -0.3; seen on the H200, the math and efficient paths are
+        # finite), so PyTorch's own error is taken where it is finite.
+        assert torch.equal(o.isnan(), r.isnan()), f"NaN positions differ from the fp32 math path, result {i}"
         if o.numel() == 0:
             continue
+        d_finite = ~d.isnan()
         o, d, r = (t.float().nan_to_num(0.0) for t in (o, d, r))
-        err_ours, err_default = (o - r).abs().max().item(), (d - r).abs().max().item()
+        err_ours = (o - r).abs().max().item()
+        err_default = (d - r)[d_finite].abs().max().item() if d_finite.any() else 0.0
         assert err_ours <= 2 * err_default + 2e-2, (i, err_ours, err_default)
     return {"ours": ours, "default": default}
 

@@ -5,6 +5,9 @@ thread that runs it. Prints the median of each interval, with multithreading on 
 
 # ruff: noqa: B023  (each closure is timed inside the loop iteration that defines it)
 
+import cProfile
+import io
+import pstats
 import statistics
 import threading
 import time
@@ -15,11 +18,16 @@ from flash_backend.ops import attention as A
 
 marks = []
 orig_bwd = A._DirectAttention.backward
+profiler = None  # a cProfile.Profile while profile_body() runs: enabled on the thread running the backward
 
 
 def timed_bwd(ctx, dout, dlse):
     marks.append(("bwd_in", time.perf_counter(), threading.get_ident()))
+    if profiler is not None:
+        profiler.enable()
     r = orig_bwd(ctx, dout, dlse)
+    if profiler is not None:
+        profiler.disable()
     marks.append(("bwd_out", time.perf_counter(), threading.get_ident()))
     return r
 
@@ -64,3 +72,22 @@ run("multithreading on")
 with torch.autograd.set_multithreading_enabled(False):
     run("multithreading off")
 run("multithreading on, again")
+
+
+def profile_body(label, n=200):
+    """cProfile of the backward body alone, on whichever thread runs it: which calls get slower there."""
+    global profiler
+    profiler = cProfile.Profile()
+    for _ in range(n):
+        torch.autograd.grad(A.flash_attention(q, k, v), (q, k, v), dout)
+    torch.cuda.synchronize()
+    stats_text = io.StringIO()
+    pstats.Stats(profiler, stream=stats_text).sort_stats("tottime").print_stats(14)
+    profiler = None
+    print(f"--- {label}: backward body, top calls by own time over {n} steps", flush=True)
+    print("\n".join(stats_text.getvalue().splitlines()[4:26]), flush=True)
+
+
+profile_body("multithreading on")
+with torch.autograd.set_multithreading_enabled(False):
+    profile_body("multithreading off")
