@@ -26,14 +26,16 @@ from flash_backend.ops.attention import attention_reference, flash_attention
 # ---------------------------------------------------------------------------------------------- CPU
 
 
-@pytest.mark.parametrize(("causal", "dtype", "pingpong"), [(True, "bf16", True), (False, "fp16", False)])
-def test_kernel_compiles_for_sm90(causal, dtype, pingpong):
+@pytest.mark.parametrize(("head_dim", "causal", "dtype", "pingpong"),
+                         [(128, True, "bf16", True), (128, False, "fp16", False), (64, True, "bf16", False)])
+def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
     """The warp-specialised kernel lowers to sm_90 machine code with no spills, wgmma and register
-    reallocation in it: what the H200 ran (bench/logs/attention_gluon_probe_h200.log)."""
+    reallocation in it: what the H200 ran (bench/logs/attention_gluon_probe_h200.log); head_dim 64 causal
+    with three consumers and the per-warpgroup block skip (attention_gluon_causal_skip_s25_h200.log)."""
     if not hopper.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
-    block_n, stages, _, consumers = hopper.CONFIGS[(128, causal)]
-    kernel = hopper.compile_sm90(128, dtype, causal, (block_n, stages, pingpong, consumers))
+    block_n, stages, _, consumers = hopper.CONFIGS[(head_dim, causal)]
+    kernel = hopper.compile_sm90(head_dim, dtype, causal, (block_n, stages, pingpong, consumers))
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
@@ -69,7 +71,8 @@ ROUTING = {
     "fp16": (dict(dtype=torch.float16), {}, True),
     "fp32": (dict(dtype=torch.float32), {}, False),
     "head_dim_64": (dict(D=64), {}, True),  # three consumer warpgroups
-    "head_dim_64_causal": (dict(D=64), dict(window_right=0), False),  # slower there than the Triton forward
+    "head_dim_64_causal": (dict(D=64), dict(window_right=0), False),  # MIN_SEQ_Q_CAUSAL_64
+    "head_dim_64_causal_long": (dict(D=64, B=4, Sq=4096, Sk=4096), dict(window_right=0), True),
     "head_dim_256": (dict(D=256), dict(window_right=0), True),
     "head_dim_96": (dict(D=96), {}, False),
     "dropout": ({}, dict(dropout_p=0.1), False),
@@ -174,6 +177,12 @@ CUDA_CASES = {
     "d64_three_consumers_odd": (2, 4, 4, 1000, 1000, 64, False, False, False),
     "d64_sq_ne_sk_gqa": (2, 8, 2, 97, 3000, 64, False, False, False),
     "d64_bshd": (2, 4, 4, 500, 500, 64, False, False, True),
+    # causal: each warpgroup computes only the key blocks its rows see and releases the rest; three
+    # consumers of 64 rows against 128-key blocks, odd lengths, Sq != Sk top-left both ways, GQA, (B, S, H, D)
+    "d64_causal_odd": (2, 4, 4, 1000, 1000, 64, True, False, False),
+    "d64_causal_short_q_long_k": (2, 4, 4, 300, 3000, 64, True, False, False),
+    "d64_causal_long_q_short_k": (1, 4, 4, 3000, 300, 64, True, False, False),
+    "d64_causal_gqa_bshd": (2, 8, 2, 777, 777, 64, True, False, True),
 }
 
 

@@ -15,7 +15,7 @@ bench/NOTES_attention.md). Gluon, Triton's explicit-layout language, exposes tha
   one's softmax overlaps another's matrix products.
 bench/attention_gluon_probe.py measured it (bench/logs/attention_gluon_probe*_h200.log) at 0.92-0.98x
 cuDNN and 1.16-1.21x our Triton forward at head_dim 128, 0.98-1.02x cuDNN at 256, and with three consumers
-0.94-0.98x at 64 non-causal; causal head_dim 64 was slower than the Triton forward, which keeps it.
+0.94-0.98x at 64 non-causal; causal head_dim 64 beats the Triton forward from 4096 query rows (session 25).
 
 Scope (`hopper_forward_supported` decides; everything else runs kernels/attention_fwd.py): fp16 / bf16,
 (head_dim, causal) in CONFIGS, no mask or bias, no dropout, no window, causal only top-left (or bottom-right
@@ -61,12 +61,17 @@ MAX_GRID_Y = 65535  # B * H programs along the grid's second axis
 MIN_SCORES = 1 << 28  # B * H * Sq * Sk
 # Three consumers cover 192 query rows a CTA: at Sq = 1024 the last CTA of a head is two thirds empty.
 MIN_SEQ_Q_THREE_CONSUMERS = 2048
+# Head_dim 64 causal: with each warpgroup skipping the key blocks past its own rows (session 25), 1.07x /
+# 1.17x the Triton forward at Sq = 4096 / 8192, 0.97x at 2048
+# (bench/logs/attention_gluon_causal_skip_s25_h200.log).
+MIN_SEQ_Q_CAUSAL_64 = 4096
 # (BLOCK_N, STAGES, PINGPONG, CONSUMERS) per (head_dim, causal) routed here: the fastest of
 # bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
 # (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
-# three consumers (192 rows a CTA, as FA3) 1.06-1.10x. Head_dim 64 causal measured 0.88-0.94x: not routed.
+# three consumers (192 rows a CTA, as FA3) 1.06-1.10x; 64 causal with three consumers, no ping-pong (above).
 CONFIGS = {
     (64, False): (128, 2, True, 3),
+    (64, True): (128, 2, False, 3),
     (128, False): (128, 2, True, 2),
     (128, True): (128, 2, True, 2),
     (256, False): (64, 2, False, 2),
@@ -158,6 +163,12 @@ if GLUON_AVAILABLE:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
+        # Causal: the CTA's n_blocks reach its last row's keys; this warpgroup's rows see fewer. It computes
+        # its own n_mine blocks and only releases the rest (the drain below): with three consumers of 64
+        # rows and 128-key blocks, the first warpgroup skips one or two blocks a CTA.
+        n_mine = n_blocks
+        if CAUSAL:
+            n_mine = gl.minimum(n_blocks, (first_row + BLOCK_M + BLOCK_N - 1) // BLOCK_N)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
         q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
@@ -182,7 +193,7 @@ if GLUON_AVAILABLE:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = gl.full([BLOCK_M, HEAD_DIM], 0.0, gl.float32, o_layout)
 
-        for j in range(1, n_blocks):
+        for j in range(1, n_mine):
             stage = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
@@ -207,14 +218,28 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
 
-        last = n_blocks - 1
+        last = n_mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         v_smem = v_bufs.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM])
-        _wait_turn(turn_bars, WG, n_blocks, PINGPONG)
+        _wait_turn(turn_bars, WG, n_mine, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+        if CAUSAL:
+            # Blocks past this warpgroup's rows: every consumer must release every K / V buffer (the empty
+            # barriers count them all), and keep its place in the ping-pong round. A buffer is released
+            # only once its fill has landed: an early arrival would count toward the previous fill's
+            # release while another consumer still reads that one.
+            for j in range(n_mine, n_blocks):
+                stage = j % STAGES
+                mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(stage), count=1)
+                _wait_turn(turn_bars, WG, j + 1, PINGPONG)
+                _pass_turn(turn_bars, WG, PINGPONG)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
@@ -349,7 +374,7 @@ def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_
         return False
     causal = window_right == 0
     # compared, not hashed: under dynamic shapes D may be a SymInt, which a dict lookup cannot hash
-    if D == 64 and Sq < MIN_SEQ_Q_THREE_CONSUMERS:
+    if D == 64 and Sq < (MIN_SEQ_Q_CAUSAL_64 if causal else MIN_SEQ_Q_THREE_CONSUMERS):
         return False
     if not any(D == d and causal == c for d, c in CONFIGS):
         return False
