@@ -111,7 +111,7 @@ def test_layouts_mixed_small_cuda(q_layout, kv_layout):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dout_kind", DOUTS)
 @pytest.mark.parametrize("layout", ["contiguous", "bshd", "expanded_batch", "sliced_head_dim"])
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, True)])
 def test_layouts_large_cuda(layout, dout_kind, head_dim, causal):
     """2**29 scores: the Gluon forward and backward on sm_90 where the layout is TMA-compatible, the Triton
     kernels elsewhere."""
