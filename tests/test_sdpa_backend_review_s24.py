@@ -245,6 +245,13 @@ def _compare_with_default(args, kwargs, grad_mask=False, expect_routed=True, dea
         return "both return None"
     with sdpa_kernel(SDPBackend.MATH):
         ref = _run([a.float() for a in args], _reference_kwargs(args, kwargs), grad_mask)
+    pairs = zip([default[0], *default[1]], [ref[0], *ref[1]], strict=True)
+    if not dead_rows and any(d is not None and (d.isnan() & ~r.isnan()).any() for d, r in pairs):
+        # PyTorch's fused kernel is wrong here (NaN where the fp32 math path is finite: its cuDNN and FLASH
+        # kernels for a causal call with scale <= 0, -inf * 0 and -inf * -0.3, seen on the H200): PyTorch's
+        # error in this dtype is taken from its math path instead.
+        with sdpa_kernel(SDPBackend.MATH):
+            default = _run(args, _reference_kwargs(args, kwargs), grad_mask)
     live = torch.ones(ours[0].shape[2], dtype=torch.bool, device=ours[0].device)
     live[list(dead_rows)] = False
     for i, (o, d, r) in enumerate(
@@ -258,16 +265,11 @@ def _compare_with_default(args, kwargs, grad_mask=False, expect_routed=True, dea
         elif dead_rows:  # a kernel's NaN on a dead row reaches dK / dV: compare where PyTorch's is finite
             finite = d.isfinite()
             o, d, r = o[finite], d[finite], r[finite]
-        # NaN where the fp32 math path has NaN. PyTorch's cuDNN and FLASH kernels give NaN for a causal
-        # call with scale <= 0 (-inf * 0, -inf * -0.3; seen on the H200, the math and efficient paths are
-        # finite), so PyTorch's own error is taken where it is finite.
         assert torch.equal(o.isnan(), r.isnan()), f"NaN positions differ from the fp32 math path, result {i}"
         if o.numel() == 0:
             continue
-        d_finite = ~d.isnan()
         o, d, r = (t.float().nan_to_num(0.0) for t in (o, d, r))
-        err_ours = (o - r).abs().max().item()
-        err_default = (d - r)[d_finite].abs().max().item() if d_finite.any() else 0.0
+        err_ours, err_default = (o - r).abs().max().item(), (d - r).abs().max().item()
         assert err_ours <= 2 * err_default + 2e-2, (i, err_ours, err_default)
     return {"ours": ours, "default": default}
 
