@@ -117,18 +117,39 @@ def _is_static(t) -> bool:
     return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
 
 
-def _const_eval(node, memo: dict | None = None):
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _hint(value):
+    """A symbolic scalar's value for the example inputs the graph was traced with (a plain number as is)."""
+    if not isinstance(value, _SYMBOLIC):
+        return value
+    hint = getattr(value.node, "hint", None)
+    if not is_number(hint):
+        raise _Skip("symbolic value without a hint")
+    return hint
+
+
+def _const_eval(node, memo: dict | None = None, hints: bool = False):
     """The concrete value of a subgraph that reads no input (factories, constants, shapes), or raise.
 
-    Nondeterministic factories are refused: a random mask evaluated once proves nothing.
+    Nondeterministic factories are refused: a random mask evaluated once proves nothing. hints=True
+    evaluates it with each symbolic scalar (a size under dynamic shapes, a float input) at its example
+    value: a result that holds for those values only, for checks that refuse a rewrite, never for ones that
+    allow it.
     """
     memo = {} if memo is None else memo
     if not isinstance(node, Node):
-        if isinstance(node, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if isinstance(node, _SYMBOLIC):
+            if hints:
+                return _hint(node)
             raise _Skip("symbolic value")
         return node
     if node in memo:
         return memo[node]
+    meta = val(node)
+    if hints and isinstance(meta, _SYMBOLIC):  # a size under dynamic shapes, a graph input or not
+        return _hint(meta)
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
     name = op_name(node) or getattr(node.target, "__name__", str(node.target))
@@ -136,10 +157,12 @@ def _const_eval(node, memo: dict | None = None):
         raise _Skip("nondeterministic or in-place")
     if in_place_writers(node):  # then the value a use sees depends on where the use is
         raise _Skip("written in place after it is computed")
-    meta = val(node)
-    if isinstance(meta, torch.Tensor) and (not _is_static(meta) or meta.numel() > _CONST_EVAL_MAX_NUMEL):
-        raise _Skip("symbolic or large")
-    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: _const_eval(a, memo))
+    if isinstance(meta, torch.Tensor):
+        numel = math.prod(_hint(d) for d in meta.shape) if hints else meta.numel()
+        if not (hints or _is_static(meta)) or numel > _CONST_EVAL_MAX_NUMEL:
+            raise _Skip("symbolic or large")
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                               lambda a: _const_eval(a, memo, hints))
     with torch.no_grad(), _real_mode():
         if node.op == "call_function":
             result = node.target(*args, **kwargs)
@@ -348,8 +371,13 @@ class _Masks:
         softmax gives NaN (-inf) or the uniform average of v (a finite fill such as finfo.min). For a
         runtime mask that is a degenerate input, reported; a constant one has that row for every input,
         so the rewrite would change the model's function. Each mask is looked at alone (a row is dead if
-        one mask kills it); for a keep mask a & b & ..., its constant factors."""
-        if not (isinstance(sq, int) and isinstance(sk, int)):
+        one mask kills it); for a keep mask a & b & ..., its constant factors. Under dynamic shapes the
+        masks are built from symbolic sizes and evaluated at the example's: a row dead there is dead for
+        every input of those sizes (tril(diagonal=-1) for any size)."""
+        hints = not (isinstance(sq, int) and isinstance(sk, int))
+        try:
+            sq, sk = _hint(sq), _hint(sk)
+        except _Skip:
             return None
         candidates: list[tuple[Node, object, bool]] = []  # (mask, constant part, value is a keep mask)
         for node, negate in self.keeps:
@@ -368,7 +396,7 @@ class _Masks:
                     candidates.append((node, cond, False))
         for node, part, is_keep in candidates:
             try:
-                value = torch.as_tensor(_const_eval(part)).cpu()
+                value = torch.as_tensor(_const_eval(part, hints=hints)).cpu()
             except Exception:  # noqa: BLE001 - a runtime mask or factor
                 continue
             if part is node and node in self.additive:
@@ -772,6 +800,8 @@ def _fill_value(fill) -> float | None:
     value = _const_scalar(fill)
     if value is None and op_name(fill) == "full_like":
         value = _const_scalar(arg(fill, 1, "fill_value"))
+    if value is not None and math.isnan(value):
+        return None  # NaN masks nothing: eager's softmax gives NaN on every row it reaches
     return value
 
 
@@ -1154,6 +1184,9 @@ def _baddbmm_operands(cand: _Candidate, mm: Node):
     factor = _scalar_factor(alpha)
     if factor is None or not is_number(beta):
         raise _Skip("baddbmm alpha or beta is not a number")
+    if is_number(factor) and not math.isfinite(factor):
+        # alpha=nan / inf makes every score NaN or infinite: eager's function, not a scale the op takes
+        raise _Skip(f"baddbmm alpha={factor} is not a finite number")
     cand.fold(("mul", factor) if isinstance(factor, Node) else factor)
     if beta not in (0, 1):
         raise _Skip(f"baddbmm beta={beta}: the input would be scaled, not an additive mask")
@@ -1578,11 +1611,13 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     mm = _scores_side(cand, softmax, x, softmax_nodes)
     _qk(cand, mm)
     cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
-    dead = cand.masks.constant_dead_row(_shape(mm)[-2], _shape(mm)[-1])
+    sq, sk = _shape(mm)[-2:]
+    dead = cand.masks.constant_dead_row(sq, sk)
     if dead is not None:
+        sizes = "" if isinstance(sq, int) and isinstance(sk, int) else " of the example's sizes"
         raise _Skip(f"the constant mask '{dead.name}' leaves a query row with no visible key for every "
-                    "input: eager's softmax gives NaN (-inf fill) or the uniform average of v (finite fill) "
-                    "there, the op 0")
+                    f"input{sizes}: eager's softmax gives NaN (-inf fill) or the uniform average of v "
+                    "(finite fill) there, the op 0")
     pv, probs = _probs_side(cand, softmax)
     _pv(cand, pv, probs)
     cand.chain.append(softmax)
