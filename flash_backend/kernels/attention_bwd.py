@@ -39,6 +39,7 @@ from flash_backend.kernels.attention_fwd import (
     _narrow_to_live_keys,
     _prefetch_mask,
     _visible,
+    bh_grid,
     head_dim_bucket,
     mask_is_query_broadcast,
     mask_key_ranges,
@@ -116,9 +117,14 @@ def _attention_bwd_preprocess_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if BH_ON_X:
+        pid_m = tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -407,9 +413,14 @@ def _attention_bwd_dkdv_kernel(
     HAS_RIGHT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PART: tl.constexpr,  # DKDV_BOTH, or one of DV_ONLY / DK_ONLY when the launcher splits the work in two
+    BH_ON_X: tl.constexpr,  # (batch, kv head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+    if BH_ON_X:
+        pid_n = tl.program_id(1)
+        pid_bhk = tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0)
+        pid_bhk = tl.program_id(1)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -887,10 +898,15 @@ def _attention_bwd_dq_kernel(
     NUM_STAGES: tl.constexpr,
     NARROW_KEYS: tl.constexpr,
     PREFETCH_MASK: tl.constexpr,
+    BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
     # heaviest query blocks (most visible keys under causal masking) first: shorter tail
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if BH_ON_X:
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -1069,8 +1085,10 @@ def _launch_backward(
     delta_rows, delta_seq = (H, q.shape[0]) if varlen else (B * H, seq_q)
     delta = torch.empty((delta_rows, delta_seq), dtype=torch.float32, device=q.device)
     pre_b, pre_h = (1, H) if varlen else (B, H)
-    launch(_attention_bwd_preprocess_kernel)[(cdiv(delta_seq, 64), pre_b * pre_h)](
-        out, dout, delta, *o_s, *do_s, H, delta_seq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64, num_warps=4
+    pre_grid, pre_swap = bh_grid(cdiv(delta_seq, 64), pre_b * pre_h)
+    launch(_attention_bwd_preprocess_kernel)[pre_grid](
+        out, dout, delta, *o_s, *do_s, H, delta_seq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64,
+        BH_ON_X=pre_swap, num_warps=4
     )
     dummy = absent_pointer(q, launch)  # stands for absent optional pointers; never read
     mask_t, m_s, has_mask, mask_is_bool = _mask_args(attn_mask, dummy)
@@ -1130,7 +1148,8 @@ def _launch_backward(
         window_right,
     )
     for part, (bm, bn, warps, stages) in dkdv_parts:
-        launch(_attention_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * Hkv)](
+        grid, swap = bh_grid(cdiv(max_k, bn), B * Hkv)
+        launch(_attention_bwd_dkdv_kernel)[grid](
             *dkdv_args,
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -1138,6 +1157,7 @@ def _launch_backward(
             ATOMIC_DQ=atomic_dq,
             NUM_STAGES=stages,
             PART=part,
+            BH_ON_X=swap,
             num_warps=warps,
             num_stages=stages,
             **common,
@@ -1151,7 +1171,8 @@ def _launch_backward(
     if narrow:
         key_ranges, r_s = mask_key_ranges(attn_mask, m_s, seq_k, mask_is_bool, launch)
     bm, bn, warps, stages = dq_cfg
-    launch(_attention_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
+    grid, swap = bh_grid(cdiv(max_q, bm), B * H)
+    launch(_attention_bwd_dq_kernel)[grid](
         q,
         k,
         v,
@@ -1188,6 +1209,7 @@ def _launch_backward(
         NUM_STAGES=stages,
         NARROW_KEYS=narrow,
         PREFETCH_MASK=prefetch,
+        BH_ON_X=swap,
         num_warps=warps,
         num_stages=stages,
         **common,

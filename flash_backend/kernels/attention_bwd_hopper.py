@@ -377,7 +377,7 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
     fast_kernel(_attention_bwd_preprocess_kernel)[(cdiv(Sq, 64), B * H)](
         out, dout, delta, *out.stride(), *dout.stride(), H, Sq, HEAD_DIM=D,
-        BLOCK_D=max(next_power_of_2(D), 16), BLOCK_M=64, num_warps=4,
+        BLOCK_D=max(next_power_of_2(D), 16), BLOCK_M=64, BH_ON_X=False, num_warps=4,  # B * H <= MAX_GRID_Y
     )
     dq_acc = torch.zeros((B * H, Sq, D), dtype=torch.float32, device=q.device)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))

@@ -34,6 +34,22 @@ from flash_backend.ops.attention import (
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# CUDA's limit on a grid's second (and third) axis; the first goes to 2**31 - 1
+MAX_GRID_Y = 65535
+
+
+def bh_grid(blocks, rows):
+    """(grid, BH_ON_X) of a kernel over `blocks` query (or key) blocks of `rows` (batch, head) pairs.
+
+    rows go on the grid's second axis, whose limit is 65535: a large batch of short sequences passes it
+    (B * H = 8192 x 12 for ViT-base inference). Then the axes swap and the kernel reads them swapped
+    (its BH_ON_X constexpr); launched unswapped, CUDA refuses the grid ("invalid argument")."""
+    if rows <= MAX_GRID_Y:
+        return (blocks, rows), False
+    if blocks > MAX_GRID_Y:
+        raise ValueError(f"flash_attention: {rows} (batch, head) pairs with {blocks} blocks of queries or "
+                         f"keys each: one of the two must be at most {MAX_GRID_Y} (CUDA's grid limit)")
+    return (rows, blocks), True
 
 # (head_dim bucket, causal) -> (BLOCK_M, BLOCK_N, num_warps, num_stages); tuned on an H200 (bench --sweep).
 # Causal at head_dim 64: 64x64 with 4 warps, GPU time (graph replay) against 128x128 with 8 warps: 1.32x at
@@ -369,10 +385,15 @@ def _attention_fwd_kernel(
     NUM_STAGES: tl.constexpr,
     NARROW_KEYS: tl.constexpr,  # skip the key blocks outside KEY_RANGE (a query-broadcast mask's live keys)
     PREFETCH_MASK: tl.constexpr,
+    BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (bh_grid: more than 65535)
 ):
     # heaviest query blocks (most visible keys under causal masking) first: shorter tail
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if BH_ON_X:
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
@@ -569,7 +590,7 @@ def _launch(
     key_ranges, r_strides = dummy, (0, 0)
     if narrow:
         key_ranges, r_strides = mask_key_ranges(attn_mask, m_strides, seq_k, mask_is_bool, launch)
-    grid = (cdiv(max_seqlen_q, block_m), B * H)
+    grid, bh_on_x = bh_grid(cdiv(max_seqlen_q, block_m), B * H)
     launch(_attention_fwd_kernel)[grid](
         q,
         k,
@@ -612,6 +633,7 @@ def _launch(
         NUM_STAGES=num_stages,
         NARROW_KEYS=narrow,
         PREFETCH_MASK=prefetch,
+        BH_ON_X=bh_on_x,
         num_warps=num_warps,
         num_stages=num_stages,
     )
