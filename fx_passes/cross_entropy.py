@@ -42,17 +42,18 @@ op does not return log-probabilities. nll_loss's ignore_index and reduction mean
 nll_loss whose input is not a log_softmax (seen through views, transposes and casts) is not a candidate.
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
-probability targets, an input that is not (M, V) (a class dimension other than the last), a step in the chain
-that changes values or row order (a slice, step or index along the class dimension, a new axis, a tensor
-index, a row selection after a reshape that regrouped the rows, a transpose, a cast down or to fp64, a
-``view(dtype)`` reinterpreting the bits), and logits that do not come from an F.linear, and a tensor the
-pattern reads that is written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the
-logits written in place at all, through any view of them (before the loss it reads the written values; after
-it, the op's backward reads the logits it kept, where eager's reads its log-probabilities), and a target
-computed from the logits (pseudo-labels: the op would need it before it computes them). For the nll_loss
-form also: a log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities
-used elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss
-other than such a reshape or row selection (a cast of the log-probabilities, a transpose).
+probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input that is not
+(M, V) (a class dimension other than the last), a step in the chain that changes values or row order (a slice,
+step or index along the class dimension, a new axis, a tensor index, a row selection after a reshape that
+regrouped the rows, a transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), and
+logits that do not come from an F.linear, and a tensor the pattern reads that is written in place before the
+loss (``x.mul_(2)`` between the Linear and the loss), the logits written in place at all, through any view of
+them (before the loss it reads the written values; after it, the op's backward reads the logits it kept, where
+eager's reads its log-probabilities), and a target computed from the logits (pseudo-labels: the op would need
+it before it computes them). For the nll_loss form also: a log_softmax over another dimension, or in another
+dtype (fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step
+between the log_softmax and the nll_loss other than such a reshape or row selection (a cast of the
+log-probabilities, a transpose).
 """
 
 from __future__ import annotations
@@ -519,6 +520,12 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         raise _Miss(f"{variant}: the target {args['target'].name} is computed from the logits")
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
+    logits_meta = tensor_meta(linear)
+    if logits_meta is not None and logits_meta.dtype not in (*_LOW_PRECISION, torch.float32):
+        # fp64 logits: the op computes the loss and its gradient in fp32, eager in fp64 (a 1e-7 error in an
+        # fp64 result)
+        raise _Miss(f"{variant}: the logits are {logits_meta.dtype}; the fused op computes the loss in fp32, "
+                    "eager in that dtype")
     want_loss, want_logits = tensor_meta(ce), tensor_meta(logits_node)
     ignore_index, smoothing = _specialise(args, "ignore_index"), _specialise(args, "label_smoothing")
     if not 0.0 <= smoothing <= 1.0:
