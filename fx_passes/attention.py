@@ -1735,8 +1735,10 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     if enable_gqa:
         details.append("gqa")
     if cand.finite_fills:
+        # eager's average on such a row is uniform for one fill; two fills that add (a causal finfo.min
+        # plus a padding finfo.min) overflow to -inf on some keys, and the average is over the others
         details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf: a row with every key masked "
-                       "gives 0, where eager averages it uniformly")
+                       "gives 0, where eager gives an average of v")
     if cand.inf_fill and mask is not None:
         details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
     pattern = f"{'exp/sum softmax' if written_out else 'softmax'}({cand.variant})"
