@@ -40,7 +40,7 @@ def _has_inductor_option(name: str) -> bool:
 def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                   options: dict | None = None):
     from flash_backend import _early_kernel_compile, _ttir_memo
-    from fx_passes import FlashGraphPass
+    from fx_passes import FlashGraphPass, mark_subgraph_entry_states
     from fx_passes._compat import compile_fx, inductor_config, list_mode_options
     from fx_passes._report import committed_only
 
@@ -58,6 +58,7 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))
     with committed_only():  # a compile that dynamo restarts is not counted (fx_passes/_report.py)
         returned = _detach_returned_logits(gm)
+        mark_subgraph_entry_states(gm)  # Inductor runs the passes on each subgraph alone
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches)
     return returned_linear.wrap(compiled, returned) if returned else compiled
 
@@ -77,10 +78,23 @@ def rewrite_only_backend(gm: torch.fx.GraphModule, example_inputs):
 
     What explain() uses: it shows what the passes decide without paying for an Inductor compile.
     """
-    from fx_passes import run_passes
+    from fx_passes import mark_subgraph_entry_states, run_passes
     from fx_passes._report import committed_only
 
     with committed_only():
         returned = _detach_returned_logits(gm)
-        run_passes(gm.graph)
+        mark_subgraph_entry_states(gm)
+        run_passes_with_subgraphs(gm, run_passes)
     return returned_linear.wrap(gm.forward, returned) if returned else gm.forward
+
+
+def run_passes_with_subgraphs(gm: torch.fx.GraphModule, graph_pass) -> None:
+    """graph_pass on the graphs of gm's subgraph modules (recursively, innermost first), then on gm's: what
+    Inductor does with its pre-grad passes (compile_fx._recursive_pre_grad_passes). Dynamo puts the body of a
+    ``torch.utils.checkpoint`` call (tag_activation_checkpoint) in such a subgraph: run on gm's graph alone,
+    explain() reported no rewrite in a model that checkpoints its blocks, which backend="flash" rewrites."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, child in gm.named_children():
+        if name in used and isinstance(child, torch.fx.GraphModule):
+            run_passes_with_subgraphs(child, graph_pass)
+    graph_pass(gm.graph)

@@ -48,7 +48,7 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     # those record nothing: a first call inside torch.utils.checkpoint compiles in the checkpoint's
     # saved-tensor hooks, which count every tensor saved (more than the recomputation saves: CheckpointError).
     # The grad mode the graph was traced in (dynamo guards on it) is its entry state (_match.state_regions).
-    graph._flash_entry_grad_enabled = torch.is_grad_enabled()
+    graph._flash_entry_grad_enabled = getattr(graph, "_flash_subgraph_entry_grad", torch.is_grad_enabled())
     with torch.no_grad():
         functionalize_in_place(graph)
         for module in family_modules():
@@ -58,6 +58,37 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     graph.lint()
     if graph.owning_module is not None:
         graph.owning_module.recompile()
+
+
+def mark_subgraph_entry_states(gm: torch.fx.GraphModule, entry=None) -> None:
+    """Record on each subgraph of gm (recursively) the grad mode it is called in, for run_passes.
+
+    Inductor runs its pre-grad passes, ours among them, on every subgraph (the body of a
+    ``torch.utils.checkpoint`` call, tag_activation_checkpoint, ...) as a graph of its own, without the call
+    around it. Its entry state is not the grad mode of the compile when the call sits in a ``torch.no_grad()``
+    block of gm: a pattern inside an ``enable_grad()`` block of such a body was taken to run in the body's
+    entry state, its fused call placed before the block, under no_grad, and its parameters got no gradient.
+    The body of a checkpoint runs in the grad mode of its call; a body called in two modes, or in one gm
+    does not tell, or the body of another higher-order op gets a state of its own that no region equals (a
+    pattern across a grad-mode change in it is left alone)."""
+    checkpoint_hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    grad = torch.is_grad_enabled() if entry is None else entry
+    states: dict[torch.fx.GraphModule, object] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if getattr(n.target, "__name__", "").endswith("set_grad_enabled"):
+            grad = n.args[0] if n.args and isinstance(n.args[0], bool) else ("unknown", n)
+        inputs: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((n.args, n.kwargs), inputs.append)
+        for arg in inputs:
+            child = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
+            if isinstance(child, torch.fx.GraphModule):
+                state = grad if n.target is checkpoint_hop else ("unknown", n)
+                states[child] = state if states.get(child, state) == state else ("unknown", child)
+    for child, state in states.items():
+        child.graph._flash_subgraph_entry_grad = state
+        mark_subgraph_entry_states(child, state)
 
 
 class FlashGraphPass(CustomGraphPass):
