@@ -1,4 +1,5 @@
-"""Attention with more (batch, head) pairs than a CUDA grid's second axis takes (65535).
+"""Attention launch limits: more (batch, head) pairs than a CUDA grid's second axis takes (65535), and a
+varlen max_seqlen below a sequence's length.
 
 The Triton kernels put B * H on the grid's second axis; past 65535 (a large batch of short sequences: ViT-base
 inference at B = 8192 has 98304 pairs) CUDA refused the launch ("invalid argument"). attention_fwd.bh_grid
@@ -103,3 +104,20 @@ def test_cuda_more_pairs_than_the_grid_axis_takes(causal):
     for got, want in zip([out, *grads], [ref, *ref_grads], strict=True):
         err = (got.float() - want).abs().max().item()
         assert err <= 3e-2 * max(want.abs().max().item(), 1.0), err
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_varlen_max_seqlen_below_a_sequence_is_an_error(which):
+    """max_seqlen_* sizes the kernels' grid: a sequence longer than it had its rows past it left unwritten
+    on CUDA. The check runs on the device without a sync (an error here on the CPU, eagerly and compiled)."""
+    from flash_backend.ops.attention import flash_attention_varlen
+
+    cu = torch.tensor([0, 5, 22, 31], dtype=torch.int32)
+    q = torch.randn(31, 2, 32)
+    lengths = {"q": 17, "k": 17, which: 16}
+    with pytest.raises(RuntimeError, match=f"cu_seqlens_{which} is longer than max_seqlen_{which}"):
+        flash_attention_varlen(q, q, q, cu, cu, lengths["q"], lengths["k"])
+    compiled = torch.compile(flash_attention_varlen, backend="eager", fullgraph=True, dynamic=True)
+    with pytest.raises(RuntimeError, match=f"cu_seqlens_{which} is longer than max_seqlen_{which}"):
+        compiled(q, q, q, cu, cu, lengths["q"], lengths["k"])
+    assert flash_attention_varlen(q, q, q, cu, cu, 17, 40).shape == q.shape  # larger is fine

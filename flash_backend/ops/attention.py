@@ -732,6 +732,17 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return out
 
 
+def _assert_longest_fits(cu_seqlens, max_seqlen, which: str) -> None:
+    """Every sequence of cu_seqlens at most max_seqlen long. The kernels size their grid by max_seqlen: a
+    longer sequence's rows past it were left unwritten (FlashAttention's contract too, unchecked there).
+    Checked without reading device memory on the host (torch._assert_async: an error on the CPU, a
+    device-side assert on CUDA), so that it costs no sync and no graph break."""
+    if cu_seqlens.shape[0] > 1:
+        torch._assert_async(torch.diff(cu_seqlens).amax() <= max_seqlen,
+                            f"flash_attention_varlen: a sequence of cu_seqlens_{which} is longer than "
+                            f"max_seqlen_{which}")
+
+
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            is_causal=False, scale=None, *, causal_alignment="bottom_right",
                            window_size=(-1, -1)):
@@ -753,6 +764,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError("flash_attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length")
+    _assert_longest_fits(cu_seqlens_q, max_seqlen_q, "q")
+    _assert_longest_fits(cu_seqlens_k, max_seqlen_k, "k")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     left, right = _window(is_causal, window_size)
     seed = _seed(dropout_p, q.device)
