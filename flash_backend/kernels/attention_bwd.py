@@ -34,6 +34,7 @@ from flash_backend.kernels.attention_fwd import (
     LOG2E,
     _apply_mask,
     _dropout_keep,
+    _grid_ids,
     _live_keys,
     _mask_args,
     _narrow_to_live_keys,
@@ -119,12 +120,7 @@ def _attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    if BH_ON_X:
-        pid_m = tl.program_id(1)
-        pid_bh = tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _grid_ids(BH_ON_X, False)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -415,12 +411,7 @@ def _attention_bwd_dkdv_kernel(
     PART: tl.constexpr,  # DKDV_BOTH, or one of DV_ONLY / DK_ONLY when the launcher splits the work in two
     BH_ON_X: tl.constexpr,  # (batch, kv head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    if BH_ON_X:
-        pid_n = tl.program_id(1)
-        pid_bhk = tl.program_id(0)
-    else:
-        pid_n = tl.program_id(0)
-        pid_bhk = tl.program_id(1)
+    pid_n, pid_bhk = _grid_ids(BH_ON_X, False)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -900,13 +891,7 @@ def _attention_bwd_dq_kernel(
     PREFETCH_MASK: tl.constexpr,
     BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    # heaviest query blocks (most visible keys under causal masking) first: shorter tail
-    if BH_ON_X:
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-        pid_bh = tl.program_id(0)
-    else:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _grid_ids(BH_ON_X, True)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)

@@ -88,6 +88,24 @@ def fwd_config(head_dim: int, causal: bool, has_mask: bool = False, override=Non
 
 
 @triton.jit
+def _grid_ids(BH_ON_X: tl.constexpr, HEAVIEST_FIRST: tl.constexpr):
+    """(block, pair): this program's query (or key) block and (batch, head) pair, on the grid bh_grid laid
+    out. HEAVIEST_FIRST numbers the blocks from the last (causal: the query blocks with the most visible keys
+    run first, a shorter tail)."""
+    if BH_ON_X:
+        block = tl.program_id(1)
+        n_blocks = tl.num_programs(1)
+        pair = tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+        n_blocks = tl.num_programs(0)
+        pair = tl.program_id(1)
+    if HEAVIEST_FIRST:
+        block = n_blocks - 1 - block
+    return block, pair
+
+
+@triton.jit
 def _dropout_keep(
     seed, offs_m, col_start, seqlen_k, bh, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -387,13 +405,7 @@ def _attention_fwd_kernel(
     PREFETCH_MASK: tl.constexpr,
     BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (bh_grid: more than 65535)
 ):
-    # heaviest query blocks (most visible keys under causal masking) first: shorter tail
-    if BH_ON_X:
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-        pid_bh = tl.program_id(0)
-    else:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _grid_ids(BH_ON_X, True)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     dropout_scale = tl.cast(dropout_scale, tl.float32)
