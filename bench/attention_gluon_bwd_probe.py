@@ -4,7 +4,7 @@ checked against fp32 first. What it decides: which head dims route to the Gluon 
 (BLOCK_M, STAGES) (the kernel module's CONFIGS). Logs: bench/logs/attention_gluon_bwd_probe*_h200.log;
 findings in bench/NOTES_attention.md (session 23).
 
-    python bench/attention_gluon_bwd_probe.py quick   # small odd shapes only: a barrier bug hangs, not fails
+    python bench/attention_gluon_bwd_probe.py quick [256]  # small odd shapes only: a barrier bug hangs
     python bench/attention_gluon_bwd_probe.py [64 128]
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ from flash_backend.kernels.attention_bwd import attention_backward_launch  # noq
 from flash_backend.kernels.attention_bwd_hopper import attention_backward_hopper_launch  # noqa: E402
 from flash_backend.kernels.attention_fwd import attention_forward_launch  # noqa: E402
 
-CONFIGS = {64: [(64, 2), (64, 3)], 128: [(64, 2), (64, 3)]}  # (BLOCK_M, STAGES) tried per head_dim
+# (BLOCK_M, STAGES) tried per head_dim; at 256 (kernels/attention_bwd_hopper_256.py) the (Q, dO) ring depths
+CONFIGS = {64: [(64, 2), (64, 3)], 128: [(64, 2), (64, 3)],
+           256: [(2, 1), (1, 2), (1, 1)]}
 SHAPES = [  # (B, H, Hkv, Sq, Sk, D, causal)
     (4, 16, 16, 4096, 4096, 128, False), (4, 16, 16, 4096, 4096, 128, True),
     (8, 16, 16, 2048, 2048, 128, False), (8, 16, 16, 2048, 2048, 128, True),
@@ -32,10 +34,15 @@ SHAPES = [  # (B, H, Hkv, Sq, Sk, D, causal)
     (4, 32, 8, 4096, 4096, 128, True),
     (8, 16, 16, 2048, 2048, 64, False), (8, 16, 16, 2048, 2048, 64, True),
     (16, 16, 16, 1024, 1024, 64, True), (2, 16, 16, 8192, 8192, 64, False),
+    (2, 16, 16, 4096, 4096, 256, False), (2, 16, 16, 4096, 4096, 256, True),
+    (2, 16, 4, 4096, 4096, 256, True),
+    (1, 16, 16, 16384, 16384, 256, False), (1, 16, 16, 16384, 16384, 256, True),
 ]
 QUICK = [(2, 4, 4, 333, 333, 128, True), (2, 4, 2, 300, 517, 128, False), (1, 6, 3, 700, 259, 128, True),
          (2, 4, 4, 400, 400, 64, True), (1, 2, 1, 150, 600, 128, True), (2, 4, 1, 129, 1000, 64, False),
-         (1, 2, 2, 1000, 100, 64, True)]
+         (1, 2, 2, 1000, 100, 64, True),
+         (2, 4, 4, 333, 333, 256, True), (2, 4, 2, 300, 517, 256, False), (1, 6, 3, 700, 259, 256, True),
+         (1, 2, 1, 150, 600, 256, True), (1, 2, 2, 1000, 100, 256, True), (1, 2, 2, 64, 64, 256, False)]
 
 
 def _bench(fn):
@@ -121,7 +128,7 @@ def run_shape(B, H, Hkv, Sq, Sk, D, causal, configs, check=True, timing=True):
     elif check:
         print(f"{shape:<28} {'triton bwd':<14} {verdicts['triton']}", flush=True)
     for config in configs:
-        name = "gluon m{} s{}".format(*config)
+        name = f"gluon {config}"
         try:
             verdict_g = verdict(_grads_gluon(dout, q, k, v, out, lse, causal, config)) if check else ""
             if timing:
@@ -137,11 +144,13 @@ def run_shape(B, H, Hkv, Sq, Sk, D, causal, configs, check=True, timing=True):
 def main():
     torch.manual_seed(0)
     print(f"{'shape':<28} {'impl':<14} {'ms':>8} {'TF/s':>7} {'x cudnn':>7} {'x triton':>7}")
-    if len(sys.argv) > 1 and sys.argv[1] == "quick":
+    quick = len(sys.argv) > 1 and sys.argv[1] == "quick"
+    head_dims = {int(a) for a in sys.argv[1 + quick:]} or set(CONFIGS)
+    if quick:
         for B, H, Hkv, Sq, Sk, D, causal in QUICK:
-            run_shape(B, H, Hkv, Sq, Sk, D, causal, CONFIGS[D], timing=False)
+            if D in head_dims:
+                run_shape(B, H, Hkv, Sq, Sk, D, causal, CONFIGS[D], timing=False)
         return
-    head_dims = {int(a) for a in sys.argv[1:]} or set(CONFIGS)
     for B, H, Hkv, Sq, Sk, D, causal in SHAPES:
         if D in head_dims:
             run_shape(B, H, Hkv, Sq, Sk, D, causal, CONFIGS[D], check=Sq * Sk <= 8192 * 8192)

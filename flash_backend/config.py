@@ -54,9 +54,10 @@ cross_entropy_on_cuda: bool = _env_flag("FLASH_BACKEND_CROSS_ENTROPY", True)
 # (FLASH_BACKEND_HOPPER_ATTENTION=0): every call takes the Triton forward.
 hopper_attention_forward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION", True)
 # Likewise flash::attention_backward and the Gluon backward (kernels/attention_bwd_hopper.py: sm_90, head_dim
-# 64 / 128, no mask / dropout / window, not under deterministic algorithms): 1.06-1.34x the Triton backward
-# on the H200 (bench/logs/attention_gluon_bwd_probe_h200.log). FLASH_BACKEND_HOPPER_ATTENTION=0 turns both
-# off; FLASH_BACKEND_HOPPER_ATTENTION_BACKWARD decides the backward alone.
+# 64 / 128 / 256, no mask / dropout / window, not under deterministic algorithms): 1.06-1.36x the Triton
+# backward on the H200 (bench/logs/attention_gluon_bwd_probe_h200.log, attention_gluon_bwd256_probe_s26_h200
+# .log). FLASH_BACKEND_HOPPER_ATTENTION=0 turns both off; FLASH_BACKEND_HOPPER_ATTENTION_BACKWARD decides the
+# backward alone.
 hopper_attention_backward: bool = _env_flag("FLASH_BACKEND_HOPPER_ATTENTION_BACKWARD",
                                             hopper_attention_forward)
 

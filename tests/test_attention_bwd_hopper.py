@@ -30,11 +30,13 @@ from flash_backend.ops.attention import attention_reference, flash_attention
 
 # sm_90 ptxas's spill stores at the routed configs (bytes): at head_dim 128 the consumers' dK and dV
 # accumulators (128 registers a thread) leave a few scalars to spill, loaded once an iteration; what the
-# H200 ran (bench/logs/attention_gluon_bwd_probe_h200.log). A change that spills more fails here.
-SPILL_LIMIT = {64: 32, 128: 256}
+# H200 ran (bench/logs/attention_gluon_bwd_probe_h200.log). A change that spills more fails here. Head_dim
+# 256 (kernels/attention_bwd_hopper_256.py) keeps dK / dV for half of head_dim, 128 registers a thread too.
+SPILL_LIMIT = {64: 32, 128: 256, 256: 256}
 
 
-@pytest.mark.parametrize(("head_dim", "causal", "dtype"), [(128, True, "bf16"), (64, False, "fp16")])
+@pytest.mark.parametrize(("head_dim", "causal", "dtype"), [(128, True, "bf16"), (64, False, "fp16"),
+                                                           (256, True, "bf16"), (256, False, "fp16")])
 def test_kernel_compiles_for_sm90(head_dim, causal, dtype):
     """The warp-specialised kernel lowers to sm_90 machine code with wgmma, register reallocation, TMA loads
     and TMA's reduce-add (dQ) in it, in shared memory's limit."""
@@ -72,7 +74,8 @@ ROUTING = {
     "deterministic": ({}, dict(deterministic=True), False),  # dQ is added with TMA reduce-add
     "small_problem": (dict(B=1, H=4, Hkv=4, Sq=1000, Sk=1000), {}, False),  # host-bound: MIN_SCORES
     "fp32": (dict(dtype=torch.float32), {}, False),
-    "head_dim_256": (dict(D=256), {}, False),  # dK and dV for 64 keys would not fit the registers
+    "head_dim_256": (dict(D=256), {}, True),  # a kernel of its own: the warpgroups split head_dim
+    "head_dim_256_causal_gqa": (dict(D=256, H=8, Hkv=2), dict(window_right=0), True),
     "head_dim_96": (dict(D=96), {}, False),
     "dropout": ({}, dict(dropout_p=0.1), False),
     "window": ({}, dict(window_left=64), False),
@@ -162,6 +165,11 @@ CUDA_CASES = {
     "d64_odd": (2, 4, 4, 1000, 1000, 64, False, False),
     "d64_causal_odd_gqa": (2, 6, 2, 517, 517, 64, True, False),
     "d64_sq_ne_sk_bshd": (2, 4, 4, 97, 3000, 64, False, True),
+    "d256_odd": (2, 4, 4, 1000, 1000, 256, False, False),
+    "d256_causal_odd_gqa": (2, 6, 2, 517, 517, 256, True, False),
+    "d256_sq_ne_sk_bshd": (2, 4, 4, 97, 3000, 256, False, True),
+    "d256_short_q_long_k_causal_top_left": (2, 4, 4, 300, 3000, 256, True, False),
+    "d256_one_row_one_key": (1, 2, 2, 1, 1, 256, True, False),
 }
 
 
@@ -202,21 +210,23 @@ def test_cuda_hopper_backward_matches_reference(case, dtype):
 
 @pytest.mark.cuda
 @needs_hopper
-def test_cuda_backward_routing_on_real_calls(monkeypatch):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_cuda_backward_routing_on_real_calls(head_dim, monkeypatch):
     """Eager backward (the direct path) and the registered op run the Gluon backward on eligible inputs;
     under deterministic algorithms, or with the switch off, the Triton backward runs, within rounding."""
     calls = []
     original = attention_ops._hopper_backward
     monkeypatch.setattr(attention_ops, "_hopper_backward", lambda *a: calls.append(1) or original(*a))
-    q, k, v = (t.requires_grad_() for t in _cuda_qkv(4, 16, 4, 2048, 2048, 128, torch.bfloat16, False))
+    q, k, v = (t.requires_grad_() for t in _cuda_qkv(4, 16, 4, 2048, 2048, head_dim, torch.bfloat16, False))
+    scale = head_dim ** -0.5
     out = flash_attention(q, k, v, is_causal=True)
     dout = torch.randn_like(out)
     gluon_grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert len(calls) == 1
     with torch.no_grad():
-        _, lse = torch.ops.flash.attention_forward(q, k, v, None, None, 0.0, 128 ** -0.5, -1, 0, False)
+        _, lse = torch.ops.flash.attention_forward(q, k, v, None, None, 0.0, scale, -1, 0, False)
     op_grads = torch.ops.flash.attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                                                  None, None, 0.0, 128 ** -0.5, -1, 0, False, False, False)
+                                                  None, None, 0.0, scale, -1, 0, False, False, False)
     assert len(calls) == 2
     torch.use_deterministic_algorithms(True)
     try:
@@ -234,10 +244,12 @@ def test_cuda_backward_routing_on_real_calls(monkeypatch):
 
 @pytest.mark.cuda
 @needs_hopper
-def test_cuda_hopper_backward_opcheck():
-    q, k, v = _cuda_qkv(4, 16, 4, 2048, 2048, 128, torch.bfloat16, False)  # routed: 2**28 scores
-    out, lse = torch.ops.flash.attention_forward(q, k, v, None, None, 0.0, 128 ** -0.5, -1, 0, False)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_cuda_hopper_backward_opcheck(head_dim):
+    q, k, v = _cuda_qkv(4, 16, 4, 2048, 2048, head_dim, torch.bfloat16, False)  # routed: 2**28 scores
+    scale = head_dim ** -0.5
+    out, lse = torch.ops.flash.attention_forward(q, k, v, None, None, 0.0, scale, -1, 0, False)
     dout = torch.randn_like(out)
-    opcheck(torch.ops.flash.attention_backward_hopper, (dout, q, k, v, out, lse, 128 ** -0.5, True))
+    opcheck(torch.ops.flash.attention_backward_hopper, (dout, q, k, v, out, lse, scale, True))
     opcheck(torch.ops.flash.attention_backward,
-            (dout, q, k, v, out, lse, None, None, 0.0, 128 ** -0.5, -1, 0, False, False, False))
+            (dout, q, k, v, out, lse, None, None, 0.0, scale, -1, 0, False, False, False))

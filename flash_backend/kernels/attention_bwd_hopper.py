@@ -24,7 +24,8 @@ what it lacks is warp specialisation and asynchronous wgmma, which Gluon exposes
 It is not deterministic (the order of dQ's reduce-adds): with `torch.use_deterministic_algorithms(True)` the
 Triton backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask, dropout or
 window, causal top-left, 2**28 scores or more, TMA-compatible strides), head_dim 64 or 128 (causal 64 from
-2048 query rows).
+2048 query rows), and head_dim 256 by kernels/attention_bwd_hopper_256.py (the warpgroups split head_dim
+instead of the keys), which this module's launcher runs.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
 # bench/attention_gluon_bwd_probe.py's on the H200 (3 stages 1.00-1.07x 2 at head_dim 128 except GQA, 0.99x;
 # a tie at 64). BLOCK_M 128 at head_dim 64 spills 632 bytes (sm_90 ptxas).
 CONFIGS = {64: (64, 2), 128: (64, 3)}
+# head_dim 256 has a kernel of its own (kernels/attention_bwd_hopper_256.py: the warpgroups split head_dim,
+# not the keys); its config is the depth of its Q and dO rings
+HEAD_DIMS = (*CONFIGS, 256)
 # Causal head_dim 64 below 2048 query rows: the Triton backward's GPU time was shorter (16,16,1024: the Gluon
 # one 0.97x its speed, bench/logs/attention_gluon_bwd_probe_h200.log), and the Gluon launch costs more host
 # time (seven TMA descriptors): that row's eager fwd+bwd fell from 0.46x to 0.37x cuDNN (attention.json at
@@ -309,8 +313,9 @@ if GLUON_AVAILABLE:
 def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
                               deterministic) -> bool:
     """Whether the Gluon backward computes this call (else the Triton backward does): what the Gluon forward
-    needs of a call (plain_attention_case), head_dim 64 / 128, causal head_dim 64 from MIN_SEQ_Q_CAUSAL_64
-    query rows, and not under deterministic algorithms (dQ's additions come in any order)."""
+    needs of a call (plain_attention_case), head_dim 64 / 128 / 256, causal head_dim 64 from
+    MIN_SEQ_Q_CAUSAL_64 query rows, and not under deterministic algorithms (dQ's additions come in any
+    order)."""
     B, Hkv, Sq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
     if deterministic or not GLUON_AVAILABLE:
         return False
@@ -320,7 +325,7 @@ def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window
     if window_right == 0 and D == 64 and Sq < MIN_SEQ_Q_CAUSAL_64:
         return False
     # compared, not hashed: under dynamic shapes D may be a SymInt
-    return any(D == d for d in CONFIGS) and sm90_tma_inputs(q, k, v)
+    return any(D == d for d in HEAD_DIMS) and sm90_tma_inputs(q, k, v)
 
 
 def _dq_columns(head_dim: int) -> int:
@@ -339,6 +344,11 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if head_dim == 256:
+        from flash_backend.kernels import attention_bwd_hopper_256
+
+        return attention_bwd_hopper_256.compile_sm90(dtype, causal, _PRODUCER_REGS, _CONSUMER_REGS, _MAXNREG,
+                                                     config=config or attention_bwd_hopper_256.CONFIG)
     block_m, stages = config or CONFIGS[head_dim]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     signature = {}
@@ -373,19 +383,27 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
     if not _tma_ok(dout):
         dout = dout.contiguous()
     lse = lse.contiguous()  # the kernel indexes it as (B * H, Sq); the forward's already is
-    block_m, stages = config or CONFIGS[D]
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
     fast_kernel(_attention_bwd_preprocess_kernel)[(cdiv(Sq, 64), B * H)](
         out, dout, delta, *out.stride(), *dout.stride(), H, Sq, HEAD_DIM=D,
         BLOCK_D=max(next_power_of_2(D), 16), BLOCK_M=64, BH_ON_X=False, num_warps=4,  # B * H <= MAX_GRID_Y
     )
     dq_acc = torch.zeros((B * H, Sq, D), dtype=torch.float32, device=q.device)
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
-    grid = (cdiv(Sk, BLOCK_N), B * Hkv)
-    fast_kernel(_attention_bwd_hopper_kernel)[grid](
-        _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
-        _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER), _descriptor(dv, KEYS_PER_CONSUMER),
-        dq_desc, lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale, STAGES=stages, CAUSAL=causal,
-        PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
-    )
+    if D == 256:
+        from flash_backend.kernels import attention_bwd_hopper_256
+
+        attention_bwd_hopper_256.launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal,
+                                        _PRODUCER_REGS, _CONSUMER_REGS, _MAXNREG,
+                                        config=config or attention_bwd_hopper_256.CONFIG)
+    else:
+        block_m, stages = config or CONFIGS[D]
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
+        grid = (cdiv(Sk, BLOCK_N), B * Hkv)
+        fast_kernel(_attention_bwd_hopper_kernel)[grid](
+            _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
+            _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER),
+            _descriptor(dv, KEYS_PER_CONSUMER), dq_desc, lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale,
+            STAGES=stages, CAUSAL=causal,
+            PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
+        )
     dq.copy_(dq_acc.view(B, H, Sq, D))

@@ -12,8 +12,9 @@ every path is deterministic.
 On Hopper the plain cases (no mask, dropout or window; 2**28 scores or more) run the Gluon kernels in
 FlashAttention-3's structure instead: the forward (kernels/attention_fwd_hopper.py, head_dim 64 / 128 / 256)
 and, unless deterministic algorithms are on, the backward (kernels/attention_bwd_hopper.py, head_dim 64 /
-128), which adds dQ into an fp32 buffer by TMA reduce-add. In traced graphs they are the opaque ops
-flash::attention_forward_hopper / flash::attention_backward_hopper (wrap_triton cannot trace Gluon).
+128, and kernels/attention_bwd_hopper_256.py), which adds dQ into an fp32 buffer by TMA reduce-add. In
+traced graphs they are the opaque ops flash::attention_forward_hopper / flash::attention_backward_hopper
+(wrap_triton cannot trace Gluon).
 
 Conventions shared by the reference and the kernels:
 - key j is visible to query i when `i + off - left <= j <= i + off + right` (a negative bound is
