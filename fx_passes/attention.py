@@ -413,6 +413,36 @@ class _Masks:
                 return node
         return None
 
+    def row_only_keep(self, sk) -> Node | None:
+        """A runtime keep mask, or a factor of one, that broadcasts over the key dim (shape (..., Sq, 1), or
+        0-d) while there are several keys, else None.
+
+        Such a mask masks every key of a query row or none: each row it masks at all is a row with no visible
+        key, where eager's softmax gives NaN (-inf fill) or the uniform average of v (a finite fill such as
+        -1e9 or finfo.min) and the op 0. The rewrite would differ from eager wherever the mask has an
+        effect, on any input: another function, like the constant dead rows of constant_dead_row (a query
+        padding mask ``masked_fill(~q_pad[:, None, :, None], -1e9)``, alone or and-ed with a key mask; review
+        s26). A constant one is left to constant_dead_row (it masks nothing or is refused there)."""
+        if isinstance(sk, int) and sk == 1:
+            return None
+        for node, negate in self.keeps:
+            if not negate:
+                parts = _keep_factors(node)
+            elif isinstance(node, Node) and (op_name(node) in ("invert", "logical_not", "bitwise_not")) \
+                    and isinstance(node.args[0], Node):
+                parts = _keep_factors(node.args[0])  # masked_fill(~(a & b), ...): visible = a & b
+            else:
+                parts = _masked_terms(node)  # masked_fill(a | b, ...): masked where any term is
+            for part in parts:
+                shape = _shape(part)
+                if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
+                    continue
+                try:
+                    _const_eval(part)
+                except Exception:  # noqa: BLE001 - a runtime mask: the one this check is about
+                    return part
+        return None
+
     def build(self, graph: Graph, like: Node, sq: int, sk: int):
         """(attn_mask node or None, causal) for flash_attention; causal with a mask means window (-1, 0)."""
         if self.empty():
@@ -473,6 +503,21 @@ def _keep_factors(node) -> list:
         src, dst = tensor_meta(node.args[0]), tensor_meta(node)
         if src is not None and dst is not None and src.dtype == dst.dtype and src.device == dst.device:
             return _keep_factors(node.args[0])
+    return [node]
+
+
+_OR = ("or_", "__or__", "logical_or", "bitwise_or")
+
+
+def _masked_terms(node) -> list:
+    """The terms of a masked-positions condition built as a | b | ... (each masks where it is True)."""
+    name = op_name(node) if isinstance(node, Node) else None
+    if isinstance(node, Node) and node.op == "call_function" and node.target is operator.or_:
+        name = "or_"
+    if name in _OR and len(node.args) == 2 and all(_dtype(a) == torch.bool for a in node.args):
+        return _masked_terms(node.args[0]) + _masked_terms(node.args[1])
+    if name in ("expand", "expand_as", "contiguous") and isinstance(node.args[0], Node):
+        return _masked_terms(node.args[0])
     return [node]
 
 
@@ -1618,6 +1663,11 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(f"the constant mask '{dead.name}' leaves a query row with no visible key for every "
                     f"input{sizes}: eager's softmax gives NaN (-inf fill) or the uniform average of v "
                     "(finite fill) there, the op 0")
+    row_only = cand.masks.row_only_keep(sk)
+    if row_only is not None:
+        raise _Skip(f"the mask '{row_only.name}' of shape {list(_shape(row_only))} broadcasts over the key "
+                    "dim: it masks whole query rows or nothing, and on each row it masks eager's softmax "
+                    "gives NaN (-inf fill) or the uniform average of v (finite fill), the op 0")
     pv, probs = _probs_side(cand, softmax)
     _pv(cand, pv, probs)
     cand.chain.append(softmax)

@@ -954,6 +954,15 @@ class _Inputs:
     h: torch.fx.Node | None  # the pre-norm sum, when folded
 
 
+def _dropout_input(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a dropout call drops, by position or by keyword: ``F.dropout(input=x, p=..)`` has no
+    positional argument, and reading ``node.args[0]`` failed the match with an IndexError (review s26)."""
+    x = arg(node, 0, "input")
+    if not isinstance(x, torch.fx.Node):
+        raise _Miss(f"dropout {node.name} has no tensor input node")
+    return x
+
+
 def _dropout_p(node: torch.fx.Node) -> float:
     """The dropout probability node applies (0.0 when not training), or _Miss."""
     if node.target is torch.dropout:
@@ -976,7 +985,7 @@ def _dropout_p(node: torch.fx.Node) -> float:
     if not 0.0 <= p < 1.0:
         raise _Miss(f"dropout p={p} is outside [0, 1)")
     if inplace and p > 0.0:
-        src = node.args[0]
+        src = _dropout_input(node)
         t = tensor_meta(src)
         if len(src.users) > 1:
             raise _Miss(f"inplace dropout whose input {src.name} has other users "
@@ -990,7 +999,7 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
     """How the normalised tensor h can feed the op, most fused first."""
     t = tensor_meta(h)
     if is_op(h, "dropout"):
-        return [_Inputs(h.args[0], None, _dropout_p(h), [h], h)]
+        return [_Inputs(_dropout_input(h), None, _dropout_p(h), [h], h)]
     pair = binary_operands(h, "add")
     if pair is None or not all(isinstance(a, torch.fx.Node) for a in pair):
         return [_Inputs(h, None, 0.0, [], None)]
@@ -1006,7 +1015,7 @@ def _input_options(h: torch.fx.Node) -> list[_Inputs]:
     if foldable:
         d, r = foldable[0]
         p = _dropout_p(d)
-        return [_Inputs(d.args[0], r, p, [h, d], h)]
+        return [_Inputs(_dropout_input(d), r, p, [h, d], h)]
     return [_Inputs(a, b, 0.0, [h], h), _Inputs(b, a, 0.0, [h], h)]
 
 
