@@ -551,6 +551,8 @@ def _check_inputs(x, residual, weight, bias, dropout_p):
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):  # (a list raised AttributeError: no attribute 'dtype')
+            raise TypeError(f"add_dropout_norm: {name} must be a tensor or None, got {type(t).__name__}")
         if t.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
                 f"add_dropout_norm: {name} has dtype {t.dtype}; supported: float32, float16, bfloat16")

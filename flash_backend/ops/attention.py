@@ -147,11 +147,6 @@ def _scores(q, k, attn_mask, scale, window_left, window_right, bottom_right, upc
     return s
 
 
-def _probs(s, lse):
-    # lse = +inf marks a fully masked row: exp(-inf - inf) = 0, never NaN.
-    return torch.exp(s - lse.unsqueeze(-1))
-
-
 def _softmax_with_lse(s):
     """Probabilities softmax(s) over the last dim (0 on a row whose scores are all -inf) and the row's
     logsumexp (+inf there), in s's dtype.
@@ -160,6 +155,10 @@ def _softmax_with_lse(s):
     (transformers' padded rows) has scores that are all about -3.4e38, whose lse rounds to its max (log(n) is
     absorbed), so exp(s - lse) gave every key probability 1 and the output sum(v) where eager's softmax
     gives the average of v."""
+    if s.shape[-1] == 0:
+        # No keys at all (Sk = 0): every row is fully masked (out 0, lse +inf). amax has no identity and
+        # raised "Expected reduction dim -1 to have non-zero size" (eager SDPA gives zeros here).
+        return torch.zeros_like(s), torch.full(s.shape[:-1], float("inf"), dtype=s.dtype, device=s.device)
     peak = s.amax(-1, keepdim=True)
     dead = torch.isneginf(peak)
     e = torch.exp(s - torch.where(dead, torch.zeros_like(peak), peak))
@@ -219,8 +218,9 @@ def attention_backward_reference(dout, q, k, v, out, lse, attn_mask=None, seed=N
     delta = (do * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     dq = torch.matmul(ds, k.to(acc).repeat_interleave(group, dim=1)) * scale
-    dk = (torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale).view(B, Hkv, group, Sk, -1).sum(2)
-    dv = torch.matmul(pd.transpose(-1, -2), do).view(B, Hkv, group, Sk, -1).sum(2)
+    # head dims spelled out, not -1: with B, H or Sk = 0 the tensors are empty and view(..., -1) raised
+    dk = (torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale).view(B, Hkv, group, Sk, q.shape[-1]).sum(2)
+    dv = torch.matmul(pd.transpose(-1, -2), do).view(B, Hkv, group, Sk, v.shape[-1]).sum(2)
     dbias = None
     if compute_dbias:
         dbias = _sum_to(ds, attn_mask.shape).to(attn_mask.dtype)
@@ -240,8 +240,9 @@ def _varlen_scores(q, k, cu_q, cu_k, scale, window_left, window_right, bottom_ri
     group = q.shape[1] // k.shape[1]
     seg_q, pos_q = _segments(cu_q, Tq, q.device)
     seg_k, pos_k = _segments(cu_k, Tk, q.device)
-    qf = q.float().transpose(0, 1)
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    acc = _acc_dtype(q)  # fp64 stays fp64 (it was fp32 here: fp64 inputs got fp32-accurate results)
+    qf = q.to(acc).transpose(0, 1)
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     keep = seg_q.view(-1, 1) == seg_k.view(1, -1)
     len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)[seg_q]
@@ -266,18 +267,16 @@ def _varlen_keep(seed, dropout_p, cu_k, seg_q, pos_q, seg_k, pos_k, H, device):
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seed=None, dropout_p=0.0, scale=None,
                                window_left=-1, window_right=-1, bottom_right=False):
-    """out (Tq, H, D) and logsumexp (H, Tq) on packed sequences; fp32 math."""
+    """out (Tq, H, D) and logsumexp (H, Tq) on packed sequences; fp32 math (fp64 for fp64 inputs)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s, seg_q, pos_q, seg_k, pos_k = _varlen_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale, window_left,
                                                    window_right, bottom_right)
-    lse = torch.logsumexp(s, dim=-1)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    p = _probs(s, lse)
+    p, lse = _softmax_with_lse(s)  # 0 and +inf on a row with no visible key
     if dropout_p > 0.0:
         keep = _varlen_keep(seed, dropout_p, cu_seqlens_k, seg_q, pos_q, seg_k, pos_k, q.shape[1], q.device)
         p = p * keep * dropout_scale(dropout_p)
     group = q.shape[1] // v.shape[1]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.to(p.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
     out = torch.matmul(p, vf).transpose(0, 1)
     return out.to(q.dtype), lse
 
@@ -290,23 +289,26 @@ def attention_varlen_backward_reference(dout, q, k, v, out, lse, cu_seqlens_q, c
     group = H // Hkv
     s, seg_q, pos_q, seg_k, pos_k = _varlen_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale, window_left,
                                                    window_right, bottom_right)
-    p = _probs(s, lse)
-    do = dout.float().transpose(0, 1)
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    # recomputed, not exp(s - lse): the saved lse is fp32, which cost fp64 inputs their precision
+    p, _ = _softmax_with_lse(s)
+    acc = p.dtype
+    do = dout.to(acc).transpose(0, 1)
+    vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     pd = p
     if dropout_p > 0.0:
         keep = _varlen_keep(seed, dropout_p, cu_seqlens_k, seg_q, pos_q, seg_k, pos_k, H, q.device)
         keep = keep * dropout_scale(dropout_p)
         pd, dp = p * keep, dp * keep
-    delta = (do * out.float().transpose(0, 1)).sum(-1, keepdim=True)
+    delta = (do * out.to(acc).transpose(0, 1)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     dq = (torch.matmul(ds, kf) * scale).transpose(0, 1)
     Tk = k.shape[0]
-    dk = (torch.matmul(ds.transpose(-1, -2), q.float().transpose(0, 1)) * scale)
-    dk = dk.view(Hkv, group, Tk, -1).sum(1).transpose(0, 1)
-    dv = torch.matmul(pd.transpose(-1, -2), do).view(Hkv, group, Tk, -1).sum(1).transpose(0, 1)
+    dk = (torch.matmul(ds.transpose(-1, -2), q.to(acc).transpose(0, 1)) * scale)
+    # head dims spelled out, not -1: with no keys (Tk = 0) the tensors are empty and view(..., -1) raised
+    dk = dk.view(Hkv, group, Tk, q.shape[-1]).sum(1).transpose(0, 1)
+    dv = torch.matmul(pd.transpose(-1, -2), do).view(Hkv, group, Tk, v.shape[-1]).sum(1).transpose(0, 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -733,13 +735,24 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return out
 
 
-def _assert_longest_fits(cu_seqlens, max_seqlen, which: str) -> None:
+def _assert_longest_fits(cu_seqlens, max_seqlen, total, which: str) -> None:
     """Every sequence of cu_seqlens at most max_seqlen long. The kernels size their grid by max_seqlen: a
     longer sequence's rows past it were left unwritten (FlashAttention's contract too, unchecked there).
     Checked without reading device memory on the host (torch._assert_async: an error on the CPU, a
-    device-side assert on CUDA), so that it costs no sync and no graph break."""
-    if cu_seqlens.shape[0] > 1:
-        torch._assert_async(torch.diff(cu_seqlens).amax() <= max_seqlen,
+    device-side assert on CUDA), so that it costs no sync and no graph break.
+
+    Also that cu_seqlens are offsets into the `total` packed tokens: 0 first, never decreasing, `total`
+    last. Offsets that did not start at 0 or decreased were taken silently (the reference gave tokens
+    before the first offset to the last sequence, a wrong result) and a last offset past the tokens
+    made the kernels read past q/k/v; one short of them raised an IndexError from inside the reference."""
+    lengths = torch.diff(cu_seqlens) if cu_seqlens.shape[0] > 1 else None
+    offsets_ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total)
+    if lengths is not None:
+        offsets_ok = offsets_ok & (lengths.amin() >= 0)
+    torch._assert_async(offsets_ok, f"flash_attention_varlen: cu_seqlens_{which} must start at 0, never "
+                                    f"decrease and end at {which}.shape[0] (the number of packed tokens)")
+    if lengths is not None:
+        torch._assert_async(lengths.amax() <= max_seqlen,
                             f"flash_attention_varlen: a sequence of cu_seqlens_{which} is longer than "
                             f"max_seqlen_{which}")
 
@@ -757,16 +770,23 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"flash_attention_varlen: k and v token counts differ: {k.shape[0]} and "
                          f"{v.shape[0]}")
+    if v.shape[-1] != q.shape[-1]:
+        # out is allocated like q: another v head dim failed inside the op's body (after the work)
+        raise ValueError(f"flash_attention_varlen: head_dim of v ({v.shape[-1]}) must equal that of q "
+                         f"({q.shape[-1]})")
     _check_heads(q.shape[1], k.shape[1], v.shape[1])
     _check_common(dropout_p, causal_alignment, window_size)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
-            raise ValueError(f"flash_attention_varlen: {name} must be a 1-d int32 tensor on {q.device}, got "
-                             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+        if not isinstance(cu, torch.Tensor):  # (a list raised AttributeError: 'list' has no 'dtype')
+            raise TypeError(f"flash_attention_varlen: {name} must be a 1-d int32 tensor, got "
+                            f"{type(cu).__name__}")
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or cu.shape[0] == 0:
+            raise ValueError(f"flash_attention_varlen: {name} must be a non-empty 1-d int32 tensor on "
+                             f"{q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError("flash_attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length")
-    _assert_longest_fits(cu_seqlens_q, max_seqlen_q, "q")
-    _assert_longest_fits(cu_seqlens_k, max_seqlen_k, "k")
+    _assert_longest_fits(cu_seqlens_q, max_seqlen_q, q.shape[0], "q")
+    _assert_longest_fits(cu_seqlens_k, max_seqlen_k, k.shape[0], "k")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     left, right = _window(is_causal, window_size)
     seed = _seed(dropout_p, q.device)

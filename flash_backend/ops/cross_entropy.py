@@ -34,6 +34,8 @@ CPU: the plain-PyTorch reference (also what the fake mirrors: same padded rows).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -225,8 +227,9 @@ def _pad_classes(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | 
 
 
 def _cublaslt_forward(x: Tensor) -> bool:
-    """cuBLASLt (csrc) for the forward GEMM: CUDA fp16/bf16 with K a multiple of 8 (16-byte rows)."""
-    return x.shape[1] % 8 == 0 and cublaslt_ready(x)
+    """cuBLASLt (csrc) for the forward GEMM: CUDA fp16/bf16 with K a multiple of 8 (16-byte rows); K = 0
+    (which passes `% 8`) gets F.linear's answer, the bias."""
+    return x.shape[1] % 8 == 0 and x.shape[1] > 0 and cublaslt_ready(x)
 
 
 def _unit_columns(t: Tensor) -> Tensor:
@@ -357,11 +360,18 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, target:
     if reduction not in REDUCTIONS:
         raise ValueError(f"flash linear_cross_entropy: reduction must be one of {REDUCTIONS}, "
                          f"got {reduction!r}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("target", target)):
+        if not isinstance(t, Tensor) and not (name == "bias" and t is None):  # not an AttributeError later
+            raise TypeError(f"flash linear_cross_entropy: {name} must be a tensor, got {type(t).__name__}")
     if x.dim() < 1:
         raise ValueError("flash linear_cross_entropy: x must have at least one dimension (..., K)")
+    if loss_dtype is not None and not loss_dtype.is_floating_point:
+        raise TypeError(f"flash linear_cross_entropy: loss_dtype must be a floating-point dtype, got "
+                        f"{loss_dtype}")
     refuse_forward_ad("linear_cross_entropy", x, weight, bias)
     num_classes = weight.shape[0]
-    x_rows, rows_target = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    # rows spelled out, not -1: with K = 0 a (0-element) reshape(-1, 0) is ambiguous and raised
+    x_rows, rows_target = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), target.reshape(-1)
     logits, loss_rows, _ = torch.ops.flash.linear_cross_entropy_fwd(x_rows, weight, bias, rows_target,
                                                                      ignore_index, float(label_smoothing))
     logits = logits.view(*x.shape[:-1], num_classes)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 
 import torch
@@ -94,9 +95,11 @@ def dense_bias_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 def dense_bias_backward_reference(grad_out: Tensor, x: Tensor,
                                   weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    # rows spelled out, not -1: with K or N = 0 a (0-element) reshape(-1, 0) is ambiguous and raised
+    rows = math.prod(x.shape[:-1])
+    grad_2d = grad_out.reshape(rows, grad_out.shape[-1])
     grad_x = grad_out @ weight
-    grad_weight = grad_2d.t() @ x.reshape(-1, x.shape[-1])
+    grad_weight = grad_2d.t() @ x.reshape(rows, x.shape[-1])
     return grad_x, grad_weight, grad_2d.sum(0)
 
 
@@ -108,6 +111,9 @@ def dense_bias_backward_reference(grad_out: Tensor, x: Tensor,
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str = "none") -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"flash dense: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, Tensor) and not (name == "bias" and t is None):  # not an AttributeError later
+            raise TypeError(f"flash dense: {name} must be a tensor, got {type(t).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"flash dense: x must be a floating-point tensor, got {x.dtype}")
     if x.dim() < 1:
@@ -185,7 +191,10 @@ def cublaslt_algo_picks() -> list[str]:
 
 
 def _cublaslt_ok(x: Tensor, weight: Tensor) -> bool:
-    return x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0 and cublaslt_ready(x)
+    # K or N = 0 passes `% 8 == 0` but is nothing to gain: the reference gives F.linear's answer (and _as_2d
+    # cannot infer the rows of an empty (..., 0) tensor)
+    return (x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0 and x.shape[-1] > 0 and weight.shape[0] > 0
+            and cublaslt_ready(x))
 
 
 def _register_cpp_fakes() -> None:
