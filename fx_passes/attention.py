@@ -27,6 +27,8 @@ dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``,
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
 import operator
@@ -120,10 +122,41 @@ def _is_static(t) -> bool:
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
+# Sizes at which _hint evaluates symbolic scalars instead of the example's: {sympy symbol: int}, set by
+# _sizes_at while constant_dead_row samples the sizes a dynamic-shape graph may be reused for.
+_SIZE_OVERRIDE: dict = {}
+
+
+@contextlib.contextmanager
+def _sizes_at(values: dict):
+    global _SIZE_OVERRIDE
+    saved, _SIZE_OVERRIDE = _SIZE_OVERRIDE, values
+    try:
+        yield
+    finally:
+        _SIZE_OVERRIDE = saved
+
+
+def _backed_hints(shape_env) -> dict:
+    """{symbol: example value} of a ShapeEnv (torch 2.13 renamed var_to_val to backed_var_to_val)."""
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    return shape_env.var_to_val if hints is None else hints
+
+
 def _hint(value):
-    """A symbolic scalar's value for the example inputs the graph was traced with (a plain number as is)."""
+    """A symbolic scalar's value for the example inputs the graph was traced with (a plain number as is),
+    or at the sizes _sizes_at sets."""
     if not isinstance(value, _SYMBOLIC):
         return value
+    if _SIZE_OVERRIDE:
+        expr, env = value.node.expr, value.node.shape_env
+        hints = _backed_hints(env)
+        subs = {sym: _SIZE_OVERRIDE.get(sym, hints.get(sym)) for sym in expr.free_symbols}
+        if all(v is not None for v in subs.values()):
+            result = expr.xreplace(subs)
+            if isinstance(value, torch.SymBool):
+                return bool(result)
+            return int(result) if isinstance(value, torch.SymInt) else float(result)
     hint = getattr(value.node, "hint", None)
     if not is_number(hint):
         raise _Skip("symbolic value without a hint")
@@ -371,14 +404,52 @@ class _Masks:
         softmax gives NaN (-inf) or the uniform average of v (a finite fill such as finfo.min). For a
         runtime mask that is a degenerate input, reported; a constant one has that row for every input,
         so the rewrite would change the model's function. Each mask is looked at alone (a row is dead if
-        one mask kills it); for a keep mask a & b & ..., its constant factors. Under dynamic shapes the
-        masks are built from symbolic sizes and evaluated at the example's: a row dead there is dead for
-        every input of those sizes (tril(diagonal=-1) for any size)."""
-        hints = not (isinstance(sq, int) and isinstance(sk, int))
+        one mask kills it) and all together; for a keep mask a & b & ..., its constant factors.
+
+        Under dynamic shapes the masks are built from symbolic sizes, and the graph is reused for other
+        sizes than the example's, where a band can leave rows without a key (a bottom-right band built for
+        Sq <= Sk, run at Sq > Sk: review s26b). So the masks are evaluated at the example's sizes and at a
+        set of others of the same order between Sq and Sk, and the graph is guarded on that order: a call
+        of the other order recompiles, and is checked at its own sizes."""
+        candidates = self._constant_parts()
+        if isinstance(sq, int) and isinstance(sk, int):
+            return self._dead_row_at(candidates, sq, sk, hints=False)
         try:
-            sq, sk = _hint(sq), _hint(sk)
+            hq, hk = _hint(sq), _hint(sk)
         except _Skip:
             return None
+        dead = self._dead_row_at(candidates, hq, hk, hints=True)
+        if dead is not None:
+            return dead
+        symbols = set()
+        for size in (sq, sk):
+            if isinstance(size, torch.SymInt):
+                symbols |= size.node.expr.free_symbols
+        if not symbols or len(symbols) > 3:
+            return None
+        env = next(size for size in (sq, sk) if isinstance(size, torch.SymInt)).node.shape_env
+        symbols = sorted(symbols, key=str)
+        # dynamo specialises sizes 0 and 1: a symbolic size is at least 2
+        hints = [_backed_hints(env).get(sym) for sym in symbols]
+        if any(h is None for h in hints):
+            return None
+        choices = [sorted({2, 3, 17, h, h + 64}) for h in hints]
+        query_first = hq <= hk
+        for values in itertools.product(*choices):
+            with _sizes_at(dict(zip(symbols, values, strict=True))):
+                at_q, at_k = _hint(sq), _hint(sk)
+                if (at_q <= at_k) != query_first or at_q * at_k > _CONST_EVAL_MAX_NUMEL:
+                    continue  # the guard below keeps the graph from those sizes
+                dead = self._dead_row_at(candidates, at_q, at_k, hints=True)
+            if dead is not None:
+                return dead
+        from torch.fx.experimental.symbolic_shapes import guard_bool
+
+        guard_bool(sq <= sk if query_first else sq > sk)
+        return None
+
+    def _constant_parts(self) -> list[tuple[Node, object, bool]]:
+        """(mask, part, value is a keep mask) for each part of the masks that may be a constant."""
         candidates: list[tuple[Node, object, bool]] = []  # (mask, constant part, value is a keep mask)
         for node, negate in self.keeps:
             for factor in [node] if negate else _keep_factors(node):
@@ -394,6 +465,14 @@ class _Masks:
                     candidates += [(node, factor, True) for factor in _keep_factors(cond)]
                 elif b == 0 and a is not None and a <= _ADDITIVE_MASKED:
                     candidates.append((node, cond, False))
+        return candidates
+
+    def _dead_row_at(self, candidates, sq: int, sk: int, hints: bool) -> Node | None:
+        """The first mask whose constant parts, at these sizes, leave a query row with no visible key."""
+        # Rows that every constant part together leaves without a key, over any batch and head: two masks
+        # each fine alone can be dead together (a top-left causal band and a bottom-right window; review
+        # s26b), and the op gives 0 there where eager gives NaN or the average of v, for every input.
+        joint = None
         for node, part, is_keep in candidates:
             try:
                 value = torch.as_tensor(_const_eval(part, hints=hints)).cpu()
@@ -410,6 +489,10 @@ class _Masks:
             except RuntimeError:
                 continue
             if bool((~visible.any(-1)).any()):
+                return node
+            seen = visible.reshape(-1, sq, sk).any(0)
+            joint = seen if joint is None else joint & seen
+            if bool((~joint.any(-1)).any()):
                 return node
         return None
 
@@ -434,6 +517,20 @@ class _Masks:
             else:
                 parts = _masked_terms(node)  # masked_fill(a | b, ...): masked where any term is
             for part in parts:
+                shape = _shape(part)
+                if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
+                    continue
+                try:
+                    _const_eval(part)
+                except Exception:  # noqa: BLE001 - a runtime mask: the one this check is about
+                    return part
+        # The same for an additive mask, or a term or factor of one: a value broadcast over the key dim adds
+        # one number to a whole query row, and where that number masks (-inf, finfo.min) the row has no
+        # visible key. A query padding mask written additively, ``s + (1 - q_pad[:, None, :, None]) * min``
+        # or ``s + where(q_pad, 0, -inf)``, was rewritten (review s26b: 0 where eager gives NaN). A finite
+        # shift of a row changes nothing in softmax; refused too, as it cannot be told apart at compile time.
+        for node in self.additive:
+            for part in _additive_parts(node):
                 shape = _shape(part)
                 if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
                     continue
@@ -519,6 +616,27 @@ def _masked_terms(node) -> list:
     if name in ("expand", "expand_as", "contiguous") and isinstance(node.args[0], Node):
         return _masked_terms(node.args[0])
     return [node]
+
+
+def _additive_parts(node, depth: int = 8) -> list:
+    """An additive mask, its terms (m1 + m2, seen through expand and casts: used to refuse only) and, for
+    ``where(cond, 0, fill)`` / ``where(cond, fill, 0)``, the factors or terms of its condition."""
+    if not isinstance(node, Node) or depth == 0:
+        return []
+    parts = [node]
+    name = op_name(node)
+    if name == "add" and len(node.args) == 2 and not node.kwargs:
+        parts += [p for a in node.args for p in _additive_parts(a, depth - 1)]
+    elif name in ("expand", "expand_as", "contiguous", "to", "float", "type_as") and isinstance(node.args[0],
+                                                                                                Node):
+        parts += _additive_parts(node.args[0], depth - 1)
+    elif name == "where" and len(node.args) == 3 and _dtype(node.args[0]) == torch.bool:
+        cond, a, b = node.args
+        if _const_scalar(a) == 0:
+            parts += _keep_factors(cond)
+        elif _const_scalar(b) == 0:
+            parts += _masked_terms(cond)
+    return parts
 
 
 def _split_keep(node: Node, sq: int, sk: int) -> tuple[list[Node], bool]:
