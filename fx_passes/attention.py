@@ -433,7 +433,13 @@ class _Masks:
         hints = [_backed_hints(env).get(sym) for sym in symbols]
         if any(h is None for h in hints):
             return None
-        choices = [sorted({2, 3, 17, h, h + 64}) for h in hints]
+        # Also at and past the masks' own integer constants (a window W, a diagonal offset): a band can lose
+        # rows only once the sizes cross one of them (past >= W), which 2, 3, 17 and the example's + 64 may
+        # not reach: a window of 100 checked at past = 6 and 70 was reused at past = 146 (review s26,
+        # dynamic reuse).
+        thresholds = _int_constants([part for _, part, _ in candidates])
+        choices = [sorted({2, 3, 17, h, h + 64} | {v for c in thresholds for v in (c, c + 1, c + h + 64)})
+                   for h in hints]
         query_first = hq <= hk
         for values in itertools.product(*choices):
             with _sizes_at(dict(zip(symbols, values, strict=True))):
@@ -578,6 +584,34 @@ class _Masks:
         if keep_node is None:
             return add_node, causal
         return insert_call(graph, torch.where, (keep_node, add_node, float("-inf")), like=like), causal
+
+
+def _int_constants(parts, limit: int = 3, max_nodes: int = 64) -> list[int]:
+    """The largest `limit` distinct integer constants >= 2 (by absolute value) in the arguments of the nodes
+    the mask parts are computed from (at most max_nodes of them): the thresholds where a band built from
+    symbolic sizes may change shape (``j <= i + past - W``)."""
+    found: set[int] = set()
+    seen: set[Node] = set()
+    stack = [p for p in parts if isinstance(p, Node)]
+
+    def scan(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                scan(x)
+        elif isinstance(a, slice):
+            scan((a.start, a.stop, a.step))
+        elif isinstance(a, int) and not isinstance(a, bool) and 2 <= abs(a) <= _CONST_EVAL_MAX_NUMEL:
+            found.add(abs(a))
+
+    while stack and len(seen) < max_nodes:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op in ("call_function", "call_method"):
+            scan((node.args, tuple(node.kwargs.values())))
+            stack.extend(node.all_input_nodes)
+    return sorted(found, reverse=True)[:limit]
 
 
 def _causal_pattern(sq: int, sk: int) -> torch.Tensor:
@@ -2075,6 +2109,14 @@ def _rewrite_sdpa(graph: Graph, node: Node):
             else masks.additive.append(attn_mask)
         )
         masks.check(scores_shape)
+        # A float mask that leaves a query row without a key: eager SDPA gives the average of v there with a
+        # finite fill (finfo.min), the op 0. Checked as the softmax path does, so also at the other sizes a
+        # dynamic-shape graph is reused for (a bottom-right band built at Sq <= Sk, called at Sq > Sk). A
+        # bool mask's dead rows are 0 in eager SDPA too.
+        dead = masks.constant_dead_row(scores_shape[2], scores_shape[3]) if masks.additive else None
+        if dead is not None:
+            raise _Skip(f"the constant attn_mask '{dead.name}' leaves a query row with no visible key: eager "
+                        "SDPA gives the average of v there with a finite fill, the op 0")
 
     from flash_backend.ops.attention import flash_attention
 
