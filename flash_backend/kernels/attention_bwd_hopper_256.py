@@ -55,7 +55,7 @@ KEYS = 64  # keys a CTA (wgmma's M), shared by both consumer warpgroups
 BLOCK_M = 64  # query rows an iteration; each warpgroup computes S^T / dP^T for half of them
 HALF_DIM = 128  # head_dim columns of dK / dV / dQ one warpgroup owns
 DQ_CHUNK = 64  # dQ columns a product (and a reduce-add) covers
-# (Q ring depth, dO ring depth): (2, 1) measured 1.05-1.13x (1, 2) and (1, 1) on the H200
+# (Q ring depth, dO ring depth): (2, 1) measured 1.04-1.13x (1, 2) and (1, 1) on the H200
 # (bench/logs/attention_gluon_bwd256_probe_s26_h200.log); two stages of both would not fit
 CONFIG = (2, 1)
 
