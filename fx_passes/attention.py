@@ -522,28 +522,18 @@ class _Masks:
                 parts = _keep_factors(node.args[0])  # masked_fill(~(a & b), ...): visible = a & b
             else:
                 parts = _masked_terms(node)  # masked_fill(a | b, ...): masked where any term is
-            for part in parts:
-                shape = _shape(part)
-                if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
-                    continue
-                try:
-                    _const_eval(part)
-                except Exception:  # noqa: BLE001 - a runtime mask: the one this check is about
-                    return part
+            found = _runtime_row_only(parts)
+            if found is not None:
+                return found
         # The same for an additive mask, or a term or factor of one: a value broadcast over the key dim adds
         # one number to a whole query row, and where that number masks (-inf, finfo.min) the row has no
         # visible key. A query padding mask written additively, ``s + (1 - q_pad[:, None, :, None]) * min``
         # or ``s + where(q_pad, 0, -inf)``, was rewritten (review s26b: 0 where eager gives NaN). A finite
         # shift of a row changes nothing in softmax; refused too, as it cannot be told apart at compile time.
         for node in self.additive:
-            for part in _additive_parts(node):
-                shape = _shape(part)
-                if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
-                    continue
-                try:
-                    _const_eval(part)
-                except Exception:  # noqa: BLE001 - a runtime mask: the one this check is about
-                    return part
+            found = _runtime_row_only(_additive_parts(node))
+            if found is not None:
+                return found
         return None
 
     def build(self, graph: Graph, like: Node, sq: int, sk: int):
@@ -584,6 +574,20 @@ class _Masks:
         if keep_node is None:
             return add_node, causal
         return insert_call(graph, torch.where, (keep_node, add_node, float("-inf")), like=like), causal
+
+
+def _runtime_row_only(parts) -> Node | None:
+    """The first of the mask parts that broadcasts over the key dim (shape (..., 1) or 0-d) and is not a
+    compile-time constant (row_only_keep's subject), else None."""
+    for part in parts:
+        shape = _shape(part)
+        if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
+            continue
+        try:
+            _const_eval(part)
+        except Exception:  # noqa: BLE001 - a runtime mask: the one this check is about
+            return part
+    return None
 
 
 def _int_constants(parts, limit: int = 3, max_nodes: int = 64) -> list[int]:
