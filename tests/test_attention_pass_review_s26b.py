@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_attention_pass import _flash_nodes, _run_rewritten
+from test_norm_dense_ce_review_s25 import _run
 
 from flash_backend.backend import rewrite_only_backend
 from fx_passes import collecting
@@ -92,22 +93,6 @@ class Fn(nn.Module):
         return self.fn(self, *args)
 
 
-def _outputs(out):
-    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-
-
-def _run(model, args, train):
-    leaves = [a.detach().clone().requires_grad_(train and a.is_floating_point()) for a in args]
-    with torch.set_grad_enabled(train):
-        outs = _outputs(model(*leaves))
-    if not train:
-        return outs
-    gen = torch.Generator().manual_seed(0)
-    diff = [o for o in outs if o.requires_grad]
-    cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in diff]
-    wrt = [a for a in leaves if a.requires_grad] + [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(diff, wrt, cotangents, allow_unused=True)
-    return outs + [g for g in grads if g is not None]
 
 
 def _check(model, args, rewrites, skipped=0, reason=None, dynamic=None, modes=(True, False), tol=TOL):

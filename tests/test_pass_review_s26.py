@@ -45,6 +45,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_norm_dense_ce_review_s25 import _compile, _run
 from torch._dynamo.utils import counters
 
 from fx_passes import collecting, run_passes
@@ -55,30 +56,7 @@ B, HEADS, SQ, SK, D = 2, 3, 7, 9, 8
 SCALE = D**-0.5
 
 
-def _compile(model):
-    def backend(gm, example_inputs):
-        run_passes(gm.graph)
-        return gm.forward
 
-    return torch.compile(model, backend=backend, fullgraph=True)
-
-
-def _outputs(out):
-    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-
-
-def _run(model, args, train):
-    leaves = [a.detach().clone().requires_grad_(train and a.is_floating_point()) for a in args]
-    with torch.set_grad_enabled(train):
-        outs = _outputs(model(*leaves))
-    if not train:
-        return outs
-    gen = torch.Generator().manual_seed(0)
-    diff = [o for o in outs if o.requires_grad]
-    cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in diff]
-    wrt = [a for a in leaves if a.requires_grad] + [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(diff, wrt, cotangents, allow_unused=True)
-    return outs + [g for g in grads if g is not None]
 
 
 def _check(model, args, family, rewrites, skipped=0, reason=None, text=None, atol=1e-5, rtol=1e-5):
