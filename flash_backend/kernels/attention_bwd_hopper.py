@@ -97,6 +97,23 @@ _MAXNREG, _CONSUMER_REGS = 168, 240  # two consumer warpgroups and a producer wa
 if GLUON_AVAILABLE:
 
     @gluon.jit
+    def _key_block(KEYS_A_CTA: gl.constexpr, num_heads, group, seq_q, BLOCK_M: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """This CTA's work, from the grid (key blocks, B * Hkv): its first key n0, its (batch, kv head), and
+        the query blocks it visits (q_block_start onwards, n_q_blocks of them, per head of the GQA group).
+        Shared by both Gluon backwards (the head_dim 256 one in kernels/attention_bwd_hopper_256.py)."""
+        n0 = gl.program_id(0) * KEYS_A_CTA  # causal: the first key blocks have the most queries, go first
+        bkv = gl.program_id(1)
+        num_kv_heads = num_heads // group
+        batch = bkv // num_kv_heads
+        kv_head = bkv % num_kv_heads
+        q_block_start = 0
+        if CAUSAL:
+            q_block_start = n0 // BLOCK_M  # top-left: queries before n0 see none of these keys
+        n_q_blocks = gl.maximum((seq_q + BLOCK_M - 1) // BLOCK_M - q_block_start, 0)
+        return n0, batch, kv_head, q_block_start, n_q_blocks
+
+    @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                   do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -256,15 +273,8 @@ if GLUON_AVAILABLE:
                                      CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        n0 = gl.program_id(0) * (2 * KEYS)  # causal: the first key blocks have the most queries, go first
-        bkv = gl.program_id(1)
-        num_kv_heads = num_heads // group
-        batch = bkv // num_kv_heads
-        kv_head = bkv % num_kv_heads
-        q_block_start = 0
-        if CAUSAL:
-            q_block_start = n0 // BLOCK_M  # top-left: queries before n0 see none of these keys
-        n_q_blocks = gl.maximum((seq_q + BLOCK_M - 1) // BLOCK_M - q_block_start, 0)
+        n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(2 * KEYS, num_heads, group, seq_q, BLOCK_M,
+                                                                   CAUSAL)
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,

@@ -48,7 +48,7 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
 
-    from flash_backend.kernels.attention_bwd_hopper import _tma_add_shared_to_global
+    from flash_backend.kernels.attention_bwd_hopper import _key_block, _tma_add_shared_to_global
 
 # The kernel reads these from its descriptors' and buffers' shapes; the host builds those from them.
 KEYS = 64  # keys a CTA (wgmma's M), shared by both consumer warpgroups
@@ -213,15 +213,8 @@ if GLUON_AVAILABLE:
                                          CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        n0 = gl.program_id(0) * KEYS  # causal: the first key blocks have the most queries, go first
-        bkv = gl.program_id(1)
-        num_kv_heads = num_heads // group
-        batch = bkv // num_kv_heads
-        kv_head = bkv % num_kv_heads
-        q_block_start = 0
-        if CAUSAL:
-            q_block_start = n0 // BLOCK_M  # top-left: queries before n0 see none of these keys
-        n_q_blocks = gl.maximum((seq_q + BLOCK_M - 1) // BLOCK_M - q_block_start, 0)
+        n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(KEYS, num_heads, group, seq_q, BLOCK_M,
+                                                                   CAUSAL)
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [DO_STAGES] + do_desc.block_type.shape,
