@@ -351,29 +351,38 @@ def _dq_tile(block_m: int, head_dim: int):
 
 def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
     """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     if head_dim == 256:
         from flash_backend.kernels import attention_bwd_hopper_256
 
-        return attention_bwd_hopper_256.compile_sm90(dtype, causal, _PRODUCER_REGS, _CONSUMER_REGS, _MAXNREG,
+        return attention_bwd_hopper_256.compile_sm90(dtype, causal,
                                                      config=config or attention_bwd_hopper_256.CONFIG)
     block_m, stages = config or CONFIGS[head_dim]
+    tiles = [("q_desc", block_m, head_dim), ("k_desc", KEYS_PER_CONSUMER, head_dim),
+             ("v_desc", KEYS_PER_CONSUMER, head_dim), ("do_desc", block_m, head_dim),
+             ("dk_desc", KEYS_PER_CONSUMER, head_dim), ("dv_desc", KEYS_PER_CONSUMER, head_dim)]
+    return compile_gluon_bwd_sm90(_attention_bwd_hopper_kernel, dtype, tiles, _dq_tile(block_m, head_dim),
+                                  dict(STAGES=stages, CAUSAL=causal))
+
+
+def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict):
+    """A Gluon backward (this one or the head_dim 256 one) compiled for sm_90 without a GPU: its bf16 / fp16
+    descriptors given as (name, rows, cols) tiles, the fp32 dQ descriptor's (block, layout), the scalar
+    arguments both kernels take, and their constexprs plus this module's register budget."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     signature = {}
-    for name, rows in (("q_desc", block_m), ("k_desc", KEYS_PER_CONSUMER), ("v_desc", KEYS_PER_CONSUMER),
-                       ("do_desc", block_m), ("dk_desc", KEYS_PER_CONSUMER), ("dv_desc", KEYS_PER_CONSUMER)):
-        block, layout = _tile(rows, head_dim, torch_dtype)
+    for name, rows, cols in tiles:
+        block, layout = _tile(rows, cols, torch_dtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    block, layout = _dq_tile(block_m, head_dim)
+    block, layout = dq_tile
     signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
     signature.update(LSE="*fp32", DELTA="*fp32", seq_q="i32", num_heads="i32", group="i32",
                      qk_scale="fp32", scale="fp32")
-    constexprs = dict(STAGES=stages, CAUSAL=causal, PRODUCER_REGS=_PRODUCER_REGS,
-                      CONSUMER_REGS=_CONSUMER_REGS)
+    constexprs = dict(constexprs, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS)
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=_attention_bwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     options = {"num_warps": 4, "maxnreg": _MAXNREG}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -403,7 +412,6 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
         from flash_backend.kernels import attention_bwd_hopper_256
 
         attention_bwd_hopper_256.launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal,
-                                        _PRODUCER_REGS, _CONSUMER_REGS, _MAXNREG,
                                         config=config or attention_bwd_hopper_256.CONFIG)
     else:
         block_m, stages = config or CONFIGS[D]

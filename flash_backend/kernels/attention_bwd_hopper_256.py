@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from flash_backend.kernels.attention_bwd_hopper import GLUON_AVAILABLE
 
 if GLUON_AVAILABLE:
@@ -286,13 +284,13 @@ def dq_tile():
     return block, gl.NVMMASharedLayout.get_default_for(block, gl.float32)
 
 
-def launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal, producer_regs, consumer_regs, maxnreg,
-           config=CONFIG):
+def launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal, config=CONFIG):
     """Fill dk, dv and add dQ (times the softmax scale) into dq_acc, (B * H, Sq, 256) fp32 and zeroed by
     the caller; lse and delta are (B * H, Sq) fp32. The caller (kernels/attention_bwd_hopper.py) checked
     the call and the strides."""
     from flash_backend._fast_launch import fast_kernel
     from flash_backend._host_math import cdiv
+    from flash_backend.kernels.attention_bwd_hopper import _CONSUMER_REGS, _MAXNREG, _PRODUCER_REGS
     from flash_backend.kernels.attention_fwd_hopper import LOG2E
 
     B, H, Sq, _ = q.shape
@@ -301,32 +299,15 @@ def launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal, producer_re
     fast_kernel(_attention_bwd_hopper_256_kernel)[grid](
         *_descriptors(q, k, v, dout, dk, dv, dq_acc), lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale,
         Q_STAGES=config[0], DO_STAGES=config[1], CAUSAL=causal,
-        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+        PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
     )
 
 
-def compile_sm90(dtype: str, causal: bool, producer_regs: int, consumer_regs: int, maxnreg: int,
-                 config=CONFIG):
+def compile_sm90(dtype: str, causal: bool, config=CONFIG):
     """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from flash_backend.kernels.attention_bwd_hopper import compile_gluon_bwd_sm90
 
-    from flash_backend.kernels.attention_fwd_hopper import _tile
-
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    signature = {}
-    for name, rows, cols in (("q_desc", BLOCK_M, 256), ("k_desc", KEYS, 256), ("v_desc", KEYS, 256),
-                             ("do_desc", BLOCK_M, 256), ("dk_desc", KEYS, HALF_DIM),
-                             ("dv_desc", KEYS, HALF_DIM)):
-        block, layout = _tile(rows, cols, torch_dtype)
-        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    block, layout = dq_tile()
-    signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
-    signature.update(LSE="*fp32", DELTA="*fp32", seq_q="i32", num_heads="i32", group="i32",
-                     qk_scale="fp32", scale="fp32")
-    constexprs = dict(Q_STAGES=config[0], DO_STAGES=config[1], CAUSAL=causal, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs)
-    signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=_attention_bwd_hopper_256_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    tiles = [("q_desc", BLOCK_M, 256), ("k_desc", KEYS, 256), ("v_desc", KEYS, 256),
+             ("do_desc", BLOCK_M, 256), ("dk_desc", KEYS, HALF_DIM), ("dv_desc", KEYS, HALF_DIM)]
+    return compile_gluon_bwd_sm90(_attention_bwd_hopper_256_kernel, dtype, tiles, dq_tile(),
+                                  dict(Q_STAGES=config[0], DO_STAGES=config[1], CAUSAL=causal))
