@@ -27,7 +27,6 @@ dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``,
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -122,36 +121,21 @@ def _is_static(t) -> bool:
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-# Sizes at which _hint evaluates symbolic scalars instead of the example's: {sympy symbol: int}, set by
-# _sizes_at while constant_dead_row samples the sizes a dynamic-shape graph may be reused for.
-_SIZE_OVERRIDE: dict = {}
-
-
-@contextlib.contextmanager
-def _sizes_at(values: dict):
-    global _SIZE_OVERRIDE
-    saved, _SIZE_OVERRIDE = _SIZE_OVERRIDE, values
-    try:
-        yield
-    finally:
-        _SIZE_OVERRIDE = saved
-
-
 def _backed_hints(shape_env) -> dict:
     """{symbol: example value} of a ShapeEnv (torch 2.13 renamed var_to_val to backed_var_to_val)."""
     hints = getattr(shape_env, "backed_var_to_val", None)
     return shape_env.var_to_val if hints is None else hints
 
 
-def _hint(value):
+def _hint(value, sizes: dict | None = None):
     """A symbolic scalar's value for the example inputs the graph was traced with (a plain number as is),
-    or at the sizes _sizes_at sets."""
+    or with the size symbols in `sizes` ({sympy symbol: int}) at those values instead."""
     if not isinstance(value, _SYMBOLIC):
         return value
-    if _SIZE_OVERRIDE:
+    if sizes:
         expr, env = value.node.expr, value.node.shape_env
         hints = _backed_hints(env)
-        subs = {sym: _SIZE_OVERRIDE.get(sym, hints.get(sym)) for sym in expr.free_symbols}
+        subs = {sym: sizes.get(sym, hints.get(sym)) for sym in expr.free_symbols}
         if all(v is not None for v in subs.values()):
             result = expr.xreplace(subs)
             if isinstance(value, torch.SymBool):
@@ -163,26 +147,27 @@ def _hint(value):
     return hint
 
 
-def _const_eval(node, memo: dict | None = None, hints: bool = False):
+def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
     """The concrete value of a subgraph that reads no input (factories, constants, shapes), or raise.
 
     Nondeterministic factories are refused: a random mask evaluated once proves nothing. hints=True
     evaluates it with each symbolic scalar (a size under dynamic shapes, a float input) at its example
     value: a result that holds for those values only, for checks that refuse a rewrite, never for ones that
-    allow it.
+    allow it. hints={symbol: int} evaluates it with those size symbols at those values (_hint's sizes).
     """
+    sizes = hints if isinstance(hints, dict) else None
     memo = {} if memo is None else memo
     if not isinstance(node, Node):
         if isinstance(node, _SYMBOLIC):
             if hints:
-                return _hint(node)
+                return _hint(node, sizes)
             raise _Skip("symbolic value")
         return node
     if node in memo:
         return memo[node]
     meta = val(node)
     if hints and isinstance(meta, _SYMBOLIC):  # a size under dynamic shapes, a graph input or not
-        return _hint(meta)
+        return _hint(meta, sizes)
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
     name = op_name(node) or getattr(node.target, "__name__", str(node.target))
@@ -191,7 +176,7 @@ def _const_eval(node, memo: dict | None = None, hints: bool = False):
     if in_place_writers(node):  # then the value a use sees depends on where the use is
         raise _Skip("written in place after it is computed")
     if isinstance(meta, torch.Tensor):
-        numel = math.prod(_hint(d) for d in meta.shape) if hints else meta.numel()
+        numel = math.prod(_hint(d, sizes) for d in meta.shape) if hints else meta.numel()
         if not (hints or _is_static(meta)) or numel > _CONST_EVAL_MAX_NUMEL:
             raise _Skip("symbolic or large")
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs),
@@ -442,11 +427,11 @@ class _Masks:
                    for h in hints]
         query_first = hq <= hk
         for values in itertools.product(*choices):
-            with _sizes_at(dict(zip(symbols, values, strict=True))):
-                at_q, at_k = _hint(sq), _hint(sk)
-                if (at_q <= at_k) != query_first or at_q * at_k > _CONST_EVAL_MAX_NUMEL:
-                    continue  # the guard below keeps the graph from those sizes
-                dead = self._dead_row_at(candidates, at_q, at_k, hints=True)
+            sizes = dict(zip(symbols, values, strict=True))
+            at_q, at_k = _hint(sq, sizes), _hint(sk, sizes)
+            if (at_q <= at_k) != query_first or at_q * at_k > _CONST_EVAL_MAX_NUMEL:
+                continue  # the guard below keeps the graph from those sizes
+            dead = self._dead_row_at(candidates, at_q, at_k, hints=sizes)
             if dead is not None:
                 return dead
         from torch.fx.experimental.symbolic_shapes import guard_bool
@@ -473,7 +458,7 @@ class _Masks:
                     candidates.append((node, cond, False))
         return candidates
 
-    def _dead_row_at(self, candidates, sq: int, sk: int, hints: bool) -> Node | None:
+    def _dead_row_at(self, candidates, sq: int, sk: int, hints: bool | dict) -> Node | None:
         """The first mask whose constant parts, at these sizes, leave a query row with no visible key."""
         # Rows that every constant part together leaves without a key, over any batch and head: two masks
         # each fine alone can be dead together (a top-left causal band and a bottom-right window; review
