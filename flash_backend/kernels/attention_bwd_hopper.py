@@ -114,6 +114,17 @@ if GLUON_AVAILABLE:
         return n0, batch, kv_head, q_block_start, n_q_blocks
 
     @gluon.jit
+    def _query_stats(LSE, DELTA, row, seq_q, queries):
+        """The logsumexp (in base 2, as the kernels work; +inf past seq_q, so that P is 0 there) and delta =
+        rowsum(dO * O) of these queries of (batch * heads) row `row`. Shared by both Gluon backwards."""
+        row_base = row.to(gl.int64) * seq_q
+        in_q = queries < seq_q
+        lse = gl.load(LSE + row_base + queries, mask=in_q, other=float("inf"))
+        lse = lse * 1.4426950408889634  # log2(e)
+        delta = gl.load(DELTA + row_base + queries, mask=in_q, other=0.0)
+        return lse, delta
+
+    @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                   do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -196,14 +207,9 @@ if GLUON_AVAILABLE:
             s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
             dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # the query rows' logsumexp (natural log; +inf past seq_q, so that P is 0 there) and
-            # delta = rowsum(dO * O), loaded while the products run
+            # these queries' logsumexp and delta, loaded while the products run
             queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            row_base = (batch * num_heads + head).to(gl.int64) * seq_q
-            in_q = queries < seq_q
-            lse = gl.load(LSE + row_base + queries, mask=in_q, other=float("inf"))
-            lse = lse * 1.4426950408889634  # log2(e): the kernel works in base 2
-            delta = gl.load(DELTA + row_base + queries, mask=in_q, other=0.0)
+            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))

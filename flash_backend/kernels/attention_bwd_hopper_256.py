@@ -46,7 +46,11 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
 
-    from flash_backend.kernels.attention_bwd_hopper import _key_block, _tma_add_shared_to_global
+    from flash_backend.kernels.attention_bwd_hopper import (
+        _key_block,
+        _query_stats,
+        _tma_add_shared_to_global,
+    )
 
 # The kernel reads these from its descriptors' and buffers' shapes; the host builds those from them.
 KEYS = 64  # keys a CTA (wgmma's M), shared by both consumer warpgroups
@@ -139,14 +143,9 @@ if GLUON_AVAILABLE:
             s_tok = warpgroup_mma(k_smem, q_cols, zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(do_stage), (it // DO_ST) & 1)
             dp_tok = warpgroup_mma(v_smem, do_cols, zero_s, use_acc=False, is_async=True)
-            # these queries' logsumexp (natural log; +inf past seq_q, so that P is 0 there) and
-            # delta = rowsum(dO * O), loaded while the products run
+            # these queries' logsumexp and delta, loaded while the products run
             queries = m0 + c0 + gl.arange(0, COLS, layout=col_layout)
-            row_base = (batch * num_heads + head).to(gl.int64) * seq_q
-            in_q = queries < seq_q
-            lse = gl.load(LSE + row_base + queries, mask=in_q, other=float("inf"))
-            lse = lse * 1.4426950408889634  # log2(e): the kernel works in base 2
-            delta = gl.load(DELTA + row_base + queries, mask=in_q, other=0.0)
+            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
