@@ -43,6 +43,7 @@ from flash_backend.kernels.attention_fwd_hopper import (
     _descriptor,
     _tile,
     _tma_ok,
+    padding_mask_args,
     plain_attention_case,
     sm90_tma_inputs,
 )
@@ -154,8 +155,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs,
                   dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA,
-                  batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
-                  CAUSAL: gl.constexpr):
+                  BIAS, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
+                  scale, bias_len, mask_row_b, mask_row_h, CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr):
         """Consumer warpgroup WG: keys n0 + WG * KEYS onwards."""
         dtype: gl.constexpr = q_bufs.dtype
         BLOCK_M: gl.constexpr = q_bufs.type.shape[3]  # q_bufs: [STAGES, 1, 1, BLOCK_M, HEAD_DIM]
@@ -210,9 +211,15 @@ if GLUON_AVAILABLE:
             # these queries' logsumexp and delta, loaded while the products run
             queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
             lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries)
+            if HAS_MASK:  # the padding mask's bias of these keys for this head (base 2, -inf past seq_k)
+                bias_row = BIAS + (batch * mask_row_b + head * mask_row_h).to(gl.int64) * bias_len
+                bias = gl.load(bias_row + keys)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
+            if HAS_MASK:
+                p = gl.exp2(s * qk_scale + gl.expand_dims(bias, 1) - gl.expand_dims(lse, 0))
+            else:
+                p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
             if CAUSAL:
                 if m0 < first_key + KEYS:  # the block has queries before some of these keys
                     p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), p, 0.0)
@@ -274,13 +281,27 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
-                                     seq_q, num_heads, group, qk_scale, scale, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     BIAS, KEY_RANGE, seq_q, num_heads, group, qk_scale, scale, bias_len,
+                                     mask_row_b, mask_row_h, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                     HAS_MASK: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr):
+        """HAS_MASK: a padding mask as the forward takes it (attention_fwd_hopper.padding_mask_args: bias
+        rows and live key ranges), not with CAUSAL."""
+        gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(2 * KEYS, num_heads, group, seq_q, BLOCK_M,
                                                                    CAUSAL)
+        if HAS_MASK:
+            # Keys outside every group head's live range get dK = dV = 0 and add nothing to dQ (p = 0 for
+            # every query): such a CTA visits no query block and only writes its zeros.
+            live_heads = 0
+            for g in range(group):
+                key_range = KEY_RANGE + 2 * (batch * mask_row_b + (kv_head * group + g) * mask_row_h)
+                live = (n0 < gl.load(key_range + 1)) & (n0 + 2 * KEYS > gl.load(key_range))
+                live_heads += live.to(gl.int32)
+            if live_heads == 0:
+                n_q_blocks = 0
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
@@ -311,13 +332,13 @@ if GLUON_AVAILABLE:
         # argument tuples written in the call (a tuple in a variable turns its constexprs into tensors)
         gl.warp_specialize([
             (_consumer, (0, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
-                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, batch,
-                         kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
-                         CAUSAL)),
+                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, BIAS,
+                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
+                         scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK)),
             (_consumer, (1, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
-                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, batch,
-                         kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale, scale,
-                         CAUSAL)),
+                         q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, BIAS,
+                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
+                         scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                          do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -327,13 +348,15 @@ if GLUON_AVAILABLE:
 
 
 def hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
-                              deterministic) -> bool:
+                              deterministic, compute_dbias=False) -> bool:
     """Whether the Gluon backward computes this call (else the Triton backward does): what the Gluon forward
-    needs of a call (plain_attention_case), head_dim 64 / 128 / 256, causal head_dim 64 from
-    MIN_SEQ_Q_CAUSAL_64 query rows, and not under deterministic algorithms (dQ's additions come in any
-    order)."""
+    needs of a call (plain_attention_case), head_dim 64 / 128 / 256 (a padding mask at 64 / 128, and not when
+    its gradient is wanted: compute_dbias), causal head_dim 64 from MIN_SEQ_Q_CAUSAL_64 query rows, and not
+    under deterministic algorithms (dQ's additions come in any order)."""
     B, Hkv, Sq, D = k.shape[0], k.shape[1], q.shape[2], q.shape[3]
     if deterministic or not GLUON_AVAILABLE:
+        return False
+    if attn_mask is not None and (compute_dbias or not any(D == d for d in CONFIGS)):
         return False
     if not plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
                                 B * Hkv):
@@ -355,9 +378,12 @@ def _dq_tile(block_m: int, head_dim: int):
     return block, gl.NVMMASharedLayout.get_default_for(block, gl.float32)
 
 
-def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
-    """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it)."""
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None, mask: bool = False):
+    """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it); mask: the
+    padding-mask variant (head_dim 64 / 128)."""
     if head_dim == 256:
+        if mask:
+            raise ValueError("compile_sm90: the head_dim 256 backward takes no padding mask")
         from flash_backend.kernels import attention_bwd_hopper_256
 
         return attention_bwd_hopper_256.compile_sm90(dtype, causal,
@@ -367,7 +393,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None):
              ("v_desc", KEYS_PER_CONSUMER, head_dim), ("do_desc", block_m, head_dim),
              ("dk_desc", KEYS_PER_CONSUMER, head_dim), ("dv_desc", KEYS_PER_CONSUMER, head_dim)]
     return compile_gluon_bwd_sm90(_attention_bwd_hopper_kernel, dtype, tiles, _dq_tile(block_m, head_dim),
-                                  dict(STAGES=stages, CAUSAL=causal))
+                                  dict(STAGES=stages, CAUSAL=causal, HAS_MASK=mask))
 
 
 def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict):
@@ -386,16 +412,21 @@ def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict)
     signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
     signature.update(LSE="*fp32", DELTA="*fp32", seq_q="i32", num_heads="i32", group="i32",
                      qk_scale="fp32", scale="fp32")
+    # the padding-mask arguments, of the kernels that have them (padding_mask_args)
+    signature.update(BIAS="*fp32", KEY_RANGE="*i32", bias_len="i32", mask_row_b="i32", mask_row_h="i32")
     constexprs = dict(constexprs, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS)
     signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's order
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     options = {"num_warps": 4, "maxnreg": _MAXNREG}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, config=None):
+def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, config=None,
+                                     attn_mask=None):
     """Fill dq, dk, dv with the Gluon backward; the caller checked hopper_backward_supported(...). dk / dv
-    must be TMA-compatible (torch.empty_like of k / v is); dout, out and lse may have any strides."""
+    must be TMA-compatible (torch.empty_like of k / v is); dout, out and lse may have any strides; attn_mask
+    None or a padding mask (attention_fwd_hopper.padding_mask_ok), not at head_dim 256."""
     from flash_backend.kernels.attention_bwd import _attention_bwd_preprocess_kernel
 
     B, H, Sq, D = q.shape
@@ -417,17 +448,20 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
     if D == 256:
         from flash_backend.kernels import attention_bwd_hopper_256
 
+        if attn_mask is not None:
+            raise ValueError("attention_backward_hopper_launch: no padding mask at head_dim 256")
         attention_bwd_hopper_256.launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal,
                                         config=config or attention_bwd_hopper_256.CONFIG)
     else:
         block_m, stages = config or CONFIGS[D]
         dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
+        bias, key_ranges, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
         grid = (cdiv(Sk, BLOCK_N), B * Hkv)
         fast_kernel(_attention_bwd_hopper_kernel)[grid](
             _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
             _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER),
-            _descriptor(dv, KEYS_PER_CONSUMER), dq_desc, lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale,
-            STAGES=stages, CAUSAL=causal,
+            _descriptor(dv, KEYS_PER_CONSUMER), dq_desc, lse, delta, bias, key_ranges, Sq, H, H // Hkv,
+            scale * LOG2E, scale, *mask_ints, STAGES=stages, CAUSAL=causal, HAS_MASK=has_mask,
             PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
         )
     dq.copy_(dq_acc.view(B, H, Sq, D))

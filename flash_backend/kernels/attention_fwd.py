@@ -179,8 +179,8 @@ KEY_RANGE_CHUNK = 1024
 
 
 @triton.jit
-def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seqlen_k,
-                           MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr):
+def _mask_key_range_kernel(MASK, RANGE, BIAS, stride_mb, stride_mh, stride_mn, HM, seqlen_k, bias_len,
+                           MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr, WRITE_BIAS: tl.constexpr):
     """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi), its first live key and
     its last live key + 1 ((0, 0) when none is). A dead key is False, or an additive value that is -inf
     once scaled to base 2 in fp32, as _apply_mask computes it (-inf, or bf16's / fp32's finfo.min; fp16's
@@ -191,32 +191,45 @@ def _mask_key_range_kernel(MASK, RANGE, stride_mb, stride_mh, stride_mn, HM, seq
     dQ kernels skip them (_narrow_to_live_keys; the dK/dV kernel checks its own key block). Padding masks
     (right padding as BERT's, left padding as generation's) are such runs. One program per mask row, once
     per launch: scanning the row in every attention program cost more than the blocks it skipped (+45 %
-    forward time at BERT's shape on an H200)."""
+    forward time at BERT's shape on an H200).
+
+    WRITE_BIAS: also BIAS[row, :bias_len] = the row as _apply_mask adds it (fp32, base 2: 0 / -inf for a
+    bool mask, the value times log2(e) for an additive one), -inf past seqlen_k: what the Gluon kernels
+    (kernels/attention_fwd_hopper.py) add to their scores. Contiguous and padded to whole key blocks, it
+    loads there at constant offsets without bounds checks: reading the mask itself (a pointer and a
+    predicate per key a thread) spilled ~950 bytes in the three-warpgroup head_dim-64 forward."""
     row = tl.program_id(0)
     mask_row = MASK + (row // HM).to(tl.int64) * stride_mb + (row % HM) * stride_mh
     first = seqlen_k
     last = -1
-    for start in range(0, seqlen_k, CHUNK):
+    for start in range(0, bias_len if WRITE_BIAS else seqlen_k, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         in_seq = cols < seqlen_k
         m = tl.load(mask_row + cols * stride_mn, mask=in_seq, other=0)
         live = _live_keys(m, MASK_IS_BOOL) & in_seq
         first = tl.minimum(first, tl.min(tl.where(live, cols, seqlen_k), 0))
         last = tl.maximum(last, tl.max(tl.where(live, cols, -1), 0))
+        if WRITE_BIAS:
+            bias = _apply_mask(tl.zeros([CHUNK], dtype=tl.float32), m, MASK_IS_BOOL)
+            tl.store(BIAS + row.to(tl.int64) * bias_len + cols, tl.where(in_seq, bias, float("-inf")),
+                     mask=cols < bias_len)
     tl.store(RANGE + row * 2, tl.where(last < 0, 0, first))
     tl.store(RANGE + row * 2 + 1, last + 1)
 
 
-def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch):
+def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch, bias_len=0):
     """The (rows, 2) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
-    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in elements."""
+    (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in elements;
+    with bias_len (>= seqlen_k), also the (rows, bias_len) fp32 bias rows of WRITE_BIAS, returned third."""
     bm, hm = mask.shape[0], mask.shape[1]
     ranges = torch.empty((bm * hm, 2), dtype=torch.int32, device=mask.device)
+    bias = torch.empty((bm * hm, bias_len), dtype=torch.float32, device=mask.device) if bias_len else ranges
     launch(_mask_key_range_kernel)[(bm * hm,)](
-        mask, ranges, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k,
-        MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, num_warps=4,
+        mask, ranges, bias, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k, bias_len,
+        MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, WRITE_BIAS=bias_len > 0, num_warps=4,
     )
-    return ranges, (2 * hm if bm > 1 else 0, 2 if hm > 1 else 0)
+    strides = (2 * hm if bm > 1 else 0, 2 if hm > 1 else 0)
+    return (ranges, strides, bias) if bias_len else (ranges, strides)
 
 
 @triton.jit

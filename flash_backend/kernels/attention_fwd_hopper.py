@@ -34,6 +34,7 @@ import triton
 
 from flash_backend._fast_launch import fast_kernel
 from flash_backend._host_math import cdiv
+from flash_backend.kernels.attention_fwd import mask_is_query_broadcast, mask_key_ranges
 
 try:  # Gluon's Hopper API (Triton >= 3.5); without it every call takes the Triton forward
     from triton.experimental import gluon
@@ -78,6 +79,8 @@ CONFIGS = {
     (256, True): (64, 2, False, 2),
 }
 _PRODUCER_REGS = 24
+_MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+_BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of this many keys
 # Registers: the kernel's budget (maxnreg) is 65536 over its warps (the consumers' warpgroups and the
 # producer's); setmaxnreg then moves them from the producer (24) to the consumers.
 _REGS = {2: (168, 240), 3: (128, 160)}  # consumers: (maxnreg, registers a consumer thread)
@@ -87,20 +90,21 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
-                  n_blocks):
+                  first_block, n_blocks):
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         for j in range(n_blocks):
+            key0 = (first_block + j) * BLOCK_N
             stage = j % STAGES
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             empty_phase = ((j // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(stage), empty_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(stage),
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, key0, 0], k_ready.index(stage),
                                             k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), empty_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(stage),
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, key0, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
 
     # Gluon's max / sum / zeros / cdiv are Triton's standard-library functions, which TRITON_INTERPRET=1 (how
@@ -144,10 +148,34 @@ if GLUON_AVAILABLE:
         return s
 
     @gluon.jit
+    def _block_bias(bias_row, block, BLOCK_N: gl.constexpr, HAS_MASK: gl.constexpr, s_layout: gl.constexpr):
+        """The padding mask's bias for key block `block`, a [BLOCK_N] row of the score tile's columns read
+        from its row of prepared bias (padding_mask_args: base 2, -inf past seq_k, padded to whole blocks,
+        so no bounds check); nothing without a mask."""
+        if HAS_MASK:
+            keys = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            return gl.load(bias_row + keys)
+        else:  # one return per (constexpr) branch: Gluon checks the returns of a branch it generates
+            return 0.0
+
+    @gluon.jit
+    def _block_scores(s, bias, j, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, s_layout: gl.constexpr):
+        """Block j's scores in base 2 with what hides keys applied: the padding mask's bias (which also
+        hides the keys past seq_k), or the sequence end and the causal diagonal (_masked)."""
+        s = s * qk_scale
+        if HAS_MASK:
+            return s + gl.expand_dims(bias, 0)
+        else:
+            return _masked(s, j, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+
+    @gluon.jit
     def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                   v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards."""
+                  qk_scale, bias_row, first_block, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                  HAS_MASK: gl.constexpr):
+        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards, key blocks first_block onwards
+        (n_blocks of them; first_block > 0 only with a padding mask, whose bias row bias_row is)."""
         q_tile = q_tiles.index(WG)
         q_bar = q_bars.index(WG)
         dtype: gl.constexpr = q_desc.dtype
@@ -182,10 +210,18 @@ if GLUON_AVAILABLE:
         _wait_turn(turn_bars, WG, 0, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
+        bias = _block_bias(bias_row, first_block, BLOCK_N, HAS_MASK, s_layout)
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = _masked(s * qk_scale, 0, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+        s = _block_scores(s, bias, 0, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N, CAUSAL, HAS_MASK,
+                          s_layout)
         m_i = gl.reduce(s, 1, _max_fn)
+        if HAS_MASK:
+            # The first block holds the mask row's first live key, live for every query row (the mask
+            # broadcasts over them), so every row's max is finite from here on, except when the row has no
+            # live key at all: then the kernel was given one block, every score -inf, and the max taken as
+            # 0 keeps p = 0 (not NaN), l = 0, out = 0 and the logsumexp +inf below.
+            m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = gl.exp2(s - gl.expand_dims(m_i, 1))
         l_i = gl.reduce(p, 1, _add_fn)
         # P crosses the loop already in the wgmma A-operand layout and dtype: 32 registers a thread instead of
@@ -204,10 +240,12 @@ if GLUON_AVAILABLE:
             s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
             _pass_turn(turn_bars, WG, PINGPONG)
+            bias = _block_bias(bias_row, first_block + j, BLOCK_N, HAS_MASK, s_layout)
             # wgmma groups complete in issue order: one outstanding means S_j is done, P V may still run
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            s = _masked(s * qk_scale, j, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+            s = _block_scores(s, bias, j, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N, CAUSAL,
+                              HAS_MASK, s_layout)
             m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_fn))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -241,6 +279,9 @@ if GLUON_AVAILABLE:
                 _wait_turn(turn_bars, WG, j + 1, PINGPONG)
                 _pass_turn(turn_bars, WG, PINGPONG)
 
+        if HAS_MASK:
+            no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
+            l_i = gl.where(no_live_key, 1.0, l_i)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
         # Q's tile is free once the last S wgmma was waited for: the output leaves through it (TMA clips the
@@ -249,15 +290,24 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, head, first_row, 0], q_tile)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log, as the Triton forward writes it
+        if HAS_MASK:
+            lse = gl.where(no_live_key, float("inf"), lse)
         lse_offsets = (batch * num_heads + head).to(gl.int64) * seq_q + rows
         gl.store(LSE + lse_offsets, lse, mask=rows < seq_q)
         tma.store_wait(0)
 
     @gluon.jit
-    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seq_q, seq_k, num_heads, group,
-                                     qk_scale, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, seq_q, seq_k,
+                                     num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
+                                     CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                     PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row) and live key
+        ranges (KEY_RANGE, (first, last + 1) a row), row batch * mask_row_b + head * mask_row_h
+        (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not with CAUSAL
+        (a query row before the first live key would see none; the routing keeps those on the Triton
+        forward)."""
+        gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         pid_m = gl.program_id(0)
@@ -267,10 +317,18 @@ if GLUON_AVAILABLE:
         m0 = pid_m * (CONSUMERS * BLOCK_M)
         batch = bh // num_heads
         head = bh % num_heads
+        first_block = 0
         if CAUSAL:
             n_blocks = (gl.minimum(seq_k, m0 + CONSUMERS * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
         else:
             n_blocks = (seq_k + BLOCK_N - 1) // BLOCK_N
+        mask_row = batch * mask_row_b + head * mask_row_h
+        bias_row = BIAS + mask_row.to(gl.int64) * bias_len
+        if HAS_MASK:
+            key_range = KEY_RANGE + 2 * mask_row
+            first_block = gl.load(key_range) // BLOCK_N
+            # a row without live keys ((0, 0)) still takes one block: see _consumer's first block
+            n_blocks = gl.maximum((gl.load(key_range + 1) + BLOCK_N - 1) // BLOCK_N - first_block, 1)
 
         q_block: gl.constexpr = q_desc.block_type.shape
         q_tiles = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_block, q_desc.layout)
@@ -298,27 +356,27 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, CAUSAL, PINGPONG)),
+                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, CAUSAL, PINGPONG)),
+                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, n_blocks)),
+                             head // group, first_block, n_blocks)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, CAUSAL, PINGPONG)),
+                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, CAUSAL, PINGPONG)),
+                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
                 (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, CAUSAL, PINGPONG)),
+                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, n_blocks)),
+                             head // group, first_block, n_blocks)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -338,15 +396,29 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and strides_ok and t.storage_offset() % align == 0
 
 
+def padding_mask_ok(attn_mask, window_left, window_right) -> bool:
+    """Whether both Gluon kernels take this attn_mask: none, or a padding mask, one row of keys per (batch,
+    head) broadcast over the queries (attention_fwd.mask_is_query_broadcast), bool or additive, with no
+    causal masking or window (a query row before the mask's first live key would see none of the keys;
+    the Triton kernels handle those combinations)."""
+    if attn_mask is None:
+        return True
+    if window_left != -1 or window_right != -1 or attn_mask.dim() != 4:
+        return False
+    return mask_is_query_broadcast(attn_mask) and attn_mask.dtype in _MASK_DTYPES
+
+
 def plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
                          grid_rows) -> bool:
     """What both Gluon kernels (this forward, kernels/attention_bwd_hopper.py's backward) need of a call,
-    short of the device and strides (sm90_tma_inputs): no mask, dropout or window; causal only top-left (or
-    bottom-right with Sq == Sk, the same thing); fp16 / bf16 throughout; v's head_dim q's; at least
-    MIN_SCORES scores; grid_rows (the launch grid's second axis) within CUDA's limit. Cheap checks only,
-    from dtypes and shapes, so that a traced graph and its run agree: eager calls of every attention pay
-    it."""
-    if attn_mask is not None or dropout_p != 0.0 or window_left != -1 or window_right not in (-1, 0):
+    short of the device and strides (sm90_tma_inputs): no mask but a padding one (padding_mask_ok), no
+    dropout or window; causal only top-left (or bottom-right with Sq == Sk, the same thing); fp16 / bf16
+    throughout; v's head_dim q's; at least MIN_SCORES scores; grid_rows (the launch grid's second axis)
+    within CUDA's limit. Cheap checks only, from dtypes and shapes, so that a traced graph and its run
+    agree: eager calls of every attention pay it."""
+    if dropout_p != 0.0 or window_left != -1 or window_right not in (-1, 0):
+        return False
+    if not padding_mask_ok(attn_mask, window_left, window_right):
         return False
     if not GLUON_AVAILABLE or q.device.type != "cuda":
         return False
@@ -381,9 +453,10 @@ def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_
     return sm90_tma_inputs(q, k, v)
 
 
-def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = False):
     """The kernel compiled ahead of time for sm_90, no GPU needed (what the CPU tests check of it; Gluon has
-    no interpreter). dtype: "bf16" or "fp16"; config as attention_forward_hopper_launch's."""
+    no interpreter). dtype: "bf16" or "fp16"; config as attention_forward_hopper_launch's; mask: the
+    padding-mask variant."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -393,10 +466,11 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config):
     for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
         block, layout = _tile(rows, head_dim, torch_dtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    signature.update(LSE="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32")
+    signature.update(LSE="*fp32", BIAS="*fp32", KEY_RANGE="*i32", seq_q="i32", seq_k="i32", num_heads="i32",
+                     group="i32", qk_scale="fp32", bias_len="i32", mask_row_b="i32", mask_row_h="i32")
     maxnreg, consumer_regs = _REGS[consumers]
     constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                      PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
+                      HAS_MASK=mask, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(fn=_attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
@@ -417,10 +491,25 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
 
-def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None):
+def padding_mask_args(attn_mask, seq_k, dummy):
+    """(bias, key ranges, (bias_len, mask_row_b, mask_row_h), has mask): a padding mask as both Gluon
+    kernels take it, prepared by one small Triton launch (attention_fwd.mask_key_ranges): each mask row's
+    live key range and its bias, fp32 in base 2, padded with -inf to whole 128-key blocks (the largest
+    block of either kernel); a (batch, head) pair reads row batch * mask_row_b + head * mask_row_h (0 on a
+    dim the mask broadcasts). Without a mask, dummy in place of both tensors."""
+    if attn_mask is None:
+        return dummy, dummy, (0, 0, 0), False
+    mask_strides = tuple(0 if attn_mask.shape[d] == 1 else attn_mask.stride(d) for d in range(4))
+    bias_len = cdiv(seq_k, _BIAS_BLOCK) * _BIAS_BLOCK
+    ranges, (range_b, range_h), bias = mask_key_ranges(attn_mask, mask_strides, seq_k,
+                                                       attn_mask.dtype == torch.bool, fast_kernel, bias_len)
+    return bias, ranges, (bias_len, range_b // 2, range_h // 2), True
+
+
+def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None, attn_mask=None):
     """Fill out (B, H, Sq, D) and lse (B, H, Sq, contiguous) with the Gluon forward; the caller checked
     hopper_forward_supported(...) and that out is TMA-compatible. config = (BLOCK_N, STAGES, PINGPONG,
-    CONSUMERS)."""
+    CONSUMERS); attn_mask: None or a padding mask (padding_mask_ok)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if B * H * Sq == 0:
@@ -430,10 +519,11 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
                          "contiguous (B, H, Sq)")
     block_n, stages, pingpong, consumers = config or CONFIGS[(D, causal)]
     maxnreg, consumer_regs = _REGS[consumers]
+    bias, key_ranges, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
     grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
     fast_kernel(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
-        lse, Sq, Sk, H, H // Hkv, scale * LOG2E, CONSUMERS=consumers, STAGES=stages, CAUSAL=causal,
-        PINGPONG=pingpong, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs, num_warps=4,
-        maxnreg=maxnreg,
+        lse, bias, key_ranges, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, CONSUMERS=consumers,
+        STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask, PRODUCER_REGS=_PRODUCER_REGS,
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )

@@ -9,10 +9,11 @@ mask, unless `torch.are_deterministic_algorithms_enabled()`, the dK/dV kernel al
 atomics (kernels/attention_bwd.py: use_atomic_dq). With deterministic algorithms on, and for varlen,
 every path is deterministic.
 
-On Hopper the plain cases (no mask, dropout or window; 2**28 scores or more) run the Gluon kernels in
-FlashAttention-3's structure instead: the forward (kernels/attention_fwd_hopper.py, head_dim 64 / 128 / 256)
-and, unless deterministic algorithms are on, the backward (kernels/attention_bwd_hopper.py, head_dim 64 /
-128, and kernels/attention_bwd_hopper_256.py), which adds dQ into an fp32 buffer by TMA reduce-add. In
+On Hopper the plain cases (no mask or only a padding mask, no dropout or window; 2**28 scores or more) run
+the Gluon kernels in FlashAttention-3's structure instead: the forward (kernels/attention_fwd_hopper.py,
+head_dim 64 / 128 / 256) and, unless deterministic algorithms are on, the backward (kernels/
+attention_bwd_hopper.py, head_dim 64 / 128, and kernels/attention_bwd_hopper_256.py without a mask), which
+adds dQ into an fp32 buffer by TMA reduce-add. In
 traced graphs they are the opaque ops flash::attention_forward_hopper / flash::attention_backward_hopper
 (wrap_triton cannot trace Gluon).
 
@@ -361,12 +362,13 @@ def _kernel_supports(q, k, v, attn_mask) -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _hopper_forward(q, k, v, scale, causal):
-    """out, lse from the Gluon forward for Hopper (kernels/attention_fwd_hopper.py)."""
+def _hopper_forward(q, k, v, scale, causal, attn_mask=None):
+    """out, lse from the Gluon forward for Hopper (kernels/attention_fwd_hopper.py); attn_mask None or a
+    padding mask (attention_fwd_hopper.padding_mask_ok)."""
     from flash_backend.kernels.attention_fwd_hopper import attention_forward_hopper_launch
 
     out, lse = _alloc_forward(q, v)
-    attention_forward_hopper_launch(q, k, v, scale, causal, out, lse)
+    attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, attn_mask=attn_mask)
     return out, lse
 
 
@@ -374,13 +376,13 @@ def _hopper_forward(q, k, v, scale, causal):
 # flash::attention_forward it is this opaque op: Inductor calls it as it stands (CUDA only; the body routes
 # nothing else to it).
 @torch.library.custom_op("flash::attention_forward_hopper", mutates_args=(), device_types="cuda")
-def attention_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _hopper_forward(q, k, v, scale, causal)
+def attention_forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                             attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _hopper_forward(q, k, v, scale, causal, attn_mask)
 
 
 @attention_forward_hopper.register_fake
-def _(q, k, v, scale, causal):
+def _(q, k, v, scale, causal, attn_mask=None):
     return _alloc_forward(q, v)
 
 
@@ -394,8 +396,8 @@ def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_l
         if hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right):
             causal = window_right == 0
             if launch is plain_launch:  # the eager fast path: no dispatcher
-                return _hopper_forward(q, k, v, scale, causal)
-            return torch.ops.flash.attention_forward_hopper(q, k, v, scale, causal)
+                return _hopper_forward(q, k, v, scale, causal, attn_mask)
+            return torch.ops.flash.attention_forward_hopper(q, k, v, scale, causal, attn_mask)
     out, lse = _alloc_forward(q, v)
     if kernels and _kernel_supports(q, k, v, attn_mask):
         from flash_backend.kernels.attention_fwd import attention_forward_launch
@@ -422,25 +424,27 @@ def _(q, k, v, attn_mask, seed, dropout_p, scale, window_left, window_right, bot
     return _alloc_forward(q, v)
 
 
-def _hopper_backward(dout, q, k, v, out, lse, scale, causal):
-    """dq, dk, dv from the Gluon backward for Hopper (kernels/attention_bwd_hopper.py)."""
+def _hopper_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
+    """dq, dk, dv from the Gluon backward for Hopper (kernels/attention_bwd_hopper.py); attn_mask None or a
+    padding mask that needs no gradient."""
     from flash_backend.kernels.attention_bwd_hopper import attention_backward_hopper_launch
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)
+    attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, attn_mask=attn_mask)
     return dq, dk, dv
 
 
 # Opaque in traced graphs for the same reason as flash::attention_forward_hopper.
 @torch.library.custom_op("flash::attention_backward_hopper", mutates_args=(), device_types="cuda")
 def attention_backward_hopper(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, scale: float,
-                              causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _hopper_backward(dout, q, k, v, out, lse, scale, causal)
+                              out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+                              attn_mask: torch.Tensor | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _hopper_backward(dout, q, k, v, out, lse, scale, causal, attn_mask)
 
 
 @attention_backward_hopper.register_fake
-def _(dout, q, k, v, out, lse, scale, causal):
+def _(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -452,12 +456,13 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
         from flash_backend.kernels.attention_bwd_hopper import hopper_backward_supported
 
         if hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
-                                     deterministic):
+                                     deterministic, compute_dbias):
             causal = window_right == 0
             if launch is plain_launch:  # the eager fast path: no dispatcher
-                dq, dk, dv = _hopper_backward(dout, q, k, v, out, lse, scale, causal)
+                dq, dk, dv = _hopper_backward(dout, q, k, v, out, lse, scale, causal, attn_mask)
             else:
-                dq, dk, dv = torch.ops.flash.attention_backward_hopper(dout, q, k, v, out, lse, scale, causal)
+                dq, dk, dv = torch.ops.flash.attention_backward_hopper(dout, q, k, v, out, lse, scale, causal,
+                                                                       attn_mask)
             return dq, dk, dv, _alloc_dbias(q, attn_mask, compute_dbias, launch)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = _alloc_dbias(q, attn_mask, compute_dbias, launch)
