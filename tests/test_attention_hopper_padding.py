@@ -39,30 +39,42 @@ LOG2E = 1.4426950408889634
 @pytest.mark.interpret
 def test_bias_rows_under_interpreter(interpreter):
     """mask_key_ranges(bias_len=...) writes each mask row as the kernels add it (base 2: 0 / -inf for bool,
-    value * log2(e) for additive, -inf past Sk up to bias_len) and the same ranges as without it."""
+    value * log2(e) for additive, -inf past Sk up to bias_len), the same ranges as without it, and which
+    rows are pure padding (no live key, or live keys exactly [lo, hi), each with bias 0)."""
     from torch.library import wrap_triton
 
     from flash_backend.kernels.attention_fwd import _mask_args, mask_key_ranges
 
     Sk, bias_len = 70, 128
-    live = torch.rand(3, 2, Sk) < 0.7
-    live[0, 1] = False  # a row with no live key
-    for dtype in (torch.bool, torch.float32, torch.bfloat16, torch.float16):
+    live = torch.rand(3, 2, Sk) < 0.7  # holes: not pure
+    live[0, 1] = False  # a row with no live key: pure
+    live[1, 0] = torch.arange(Sk) < 33  # right padding: pure unless its live bias is not 0
+    live[2, 1] = torch.arange(Sk) >= 64  # left padding
+    for dtype, values in ((torch.bool, None), (torch.float32, "randn"), (torch.bfloat16, "zeros"),
+                          (torch.float16, "randn"), (torch.float32, "zeros")):
         if dtype == torch.bool:
             mask = live
             want = torch.where(live, 0.0, float("-inf"))
         else:
-            mask = torch.randn(3, 2, Sk).to(dtype).masked_fill(~live, float("-inf"))
+            fill = torch.randn(3, 2, Sk) if values == "randn" else torch.zeros(3, 2, Sk)
+            mask = fill.to(dtype).masked_fill(~live, float("-inf"))
             want = mask.float() * LOG2E
         mask4 = mask.view(3, 2, 1, Sk)
         _, strides, _, is_bool = _mask_args(mask4, None)
-        ranges, range_strides, bias = mask_key_ranges(mask4, strides, Sk, is_bool, wrap_triton, bias_len)
+        ranges, range_strides, bias, pure = mask_key_ranges(mask4, strides, Sk, is_bool, wrap_triton,
+                                                            bias_len)
         plain_ranges, plain_strides = mask_key_ranges(mask4, strides, Sk, is_bool, wrap_triton)
         assert range_strides == plain_strides == (4, 2) and torch.equal(ranges, plain_ranges)
         assert bias.shape == (6, bias_len) and bias.dtype == torch.float32
         assert torch.equal(bias[:, :Sk], want.reshape(6, Sk)), dtype
         assert bool((bias[:, Sk:] == float("-inf")).all())
         assert ranges[1].tolist() == [0, 0]
+        for row, (lo, hi) in enumerate(ranges.tolist()):
+            row_live = live.reshape(6, Sk)[row]
+            contiguous = bool(row_live[lo:hi].all()) and int(row_live.sum()) == hi - lo
+            zero_bias = bool((want.reshape(6, Sk)[row][row_live] == 0).all())
+            assert pure[row].item() == int(contiguous and zero_bias), (dtype, values, row)
+    assert pure.tolist() == [0, 1, 1, 0, 0, 1]  # the last call (fp32 zeros): holes in rows 0, 3, 4
 
 
 def _spill_bytes(kernel) -> int:
@@ -76,11 +88,12 @@ def _spill_bytes(kernel) -> int:
 
 
 @pytest.mark.parametrize(("kind", "head_dim", "spill_limit"),
-                         [("fwd", 64, 64), ("fwd", 128, 0), ("bwd", 64, 0), ("bwd", 128, 320)])
+                         [("fwd", 64, 0), ("fwd", 128, 0), ("bwd", 64, 0), ("bwd", 128, 320)])
 def test_padding_variants_compile_for_sm90(kind, head_dim, spill_limit):
     """The padding-mask variants lower to sm_90 with wgmma and within a spill budget: the bias comes from
     prepared rows at constant offsets (reading the mask itself spilled ~950 bytes in the three-warpgroup
-    head_dim-64 forward); the head_dim-128 backward spills 188 bytes without a mask and 248 with."""
+    head_dim-64 forward, choosing between pure and biased rows inside one loop ~450); the head_dim-128
+    backward spills 188 bytes without a mask and 248 with."""
     if not hopper_bwd.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API (or no TMA reduce-add)")
     if kind == "fwd":
@@ -176,9 +189,10 @@ needs_hopper = pytest.mark.skipif(not (_HAS_HOPPER and hopper_bwd.GLUON_AVAILABL
 
 
 def _padding_mask(B, Hm, Sk, kind, dtype, pattern, generator):
-    """A (B, Hm, 1, Sk) padding mask: True / 0 keeps a key. pattern: "right" (each row live up to a random
-    length, one row with no live key when B * Hm > 2), "left" (live from a random start), "holes" (right
-    padding plus random dead keys inside)."""
+    """A (B, Hm, 1, Sk) padding mask. kind: "bool", "0/-inf" (additive, pure padding like bool), "-inf" /
+    "finfo.min" (random live values: every row takes the forward's bias loop). pattern: "right" (each row
+    live up to a random length, one row with no live key when B * Hm > 2), "left" (live from a random
+    start), "holes" (right padding plus random dead keys inside)."""
     rows = B * Hm
     lengths = torch.randint(1, Sk + 1, (rows,), generator=generator)
     keys = torch.arange(Sk)
@@ -197,13 +211,18 @@ def _padding_mask(B, Hm, Sk, kind, dtype, pattern, generator):
     if kind == "bool":
         return live.cuda()
     values = torch.randn(B, Hm, 1, Sk, generator=generator).to(dtype)
-    dead = float("-inf") if kind == "-inf" else torch.finfo(dtype).min
+    if kind == "0/-inf":
+        values.zero_()
+    dead = torch.finfo(dtype).min if kind == "finfo.min" else float("-inf")
     return values.masked_fill(~live, dead).cuda()
 
 
 CUDA_CASES = {
     # name: (B, H, Hkv, Sq, Sk, D, mask heads, kind, mask dtype, pattern)
     "d128_bool_right": (3, 4, 4, 1000, 1000, 128, 1, "bool", None, "right"),
+    "d128_zero_inf_left": (3, 4, 4, 900, 1300, 128, 1, "0/-inf", torch.bfloat16, "left"),
+    "d128_bool_holes": (2, 4, 4, 700, 1000, 128, 1, "bool", None, "holes"),
+    "d64_zero_inf_per_head_right": (2, 4, 4, 1000, 1000, 64, 4, "0/-inf", torch.float32, "right"),
     "d128_bf16_left_sq_ne_sk": (2, 4, 4, 700, 1500, 128, 1, "-inf", torch.bfloat16, "left"),
     "d128_fp32_holes": (2, 4, 4, 513, 777, 128, 1, "-inf", torch.float32, "holes"),
     "d128_finfo_min_bf16": (2, 4, 4, 600, 600, 128, 1, "finfo.min", torch.bfloat16, "right"),

@@ -455,7 +455,7 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
     else:
         block_m, stages = config or CONFIGS[D]
         dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
-        bias, key_ranges, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
+        bias, key_ranges, _, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
         grid = (cdiv(Sk, BLOCK_N), B * Hkv)
         fast_kernel(_attention_bwd_hopper_kernel)[grid](
             _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),

@@ -179,7 +179,7 @@ KEY_RANGE_CHUNK = 1024
 
 
 @triton.jit
-def _mask_key_range_kernel(MASK, RANGE, BIAS, stride_mb, stride_mh, stride_mn, HM, seqlen_k, bias_len,
+def _mask_key_range_kernel(MASK, RANGE, BIAS, PURE, stride_mb, stride_mh, stride_mn, HM, seqlen_k, bias_len,
                            MASK_IS_BOOL: tl.constexpr, CHUNK: tl.constexpr, WRITE_BIAS: tl.constexpr):
     """For each row of a query-broadcast (B, H, 1, Sk) mask: RANGE[row] = (lo, hi), its first live key and
     its last live key + 1 ((0, 0) when none is). A dead key is False, or an additive value that is -inf
@@ -197,11 +197,16 @@ def _mask_key_range_kernel(MASK, RANGE, BIAS, stride_mb, stride_mh, stride_mn, H
     bool mask, the value times log2(e) for an additive one), -inf past seqlen_k: what the Gluon kernels
     (kernels/attention_fwd_hopper.py) add to their scores. Contiguous and padded to whole key blocks, it
     loads there at constant offsets without bounds checks: reading the mask itself (a pointer and a
-    predicate per key a thread) spilled ~950 bytes in the three-warpgroup head_dim-64 forward."""
+    predicate per key a thread) spilled ~950 bytes in the three-warpgroup head_dim-64 forward. And
+    PURE[row] = 1 when the row is plain padding: every key of [lo, hi) live with a bias of exactly 0 (or
+    no live key at all), so that hiding the keys outside [lo, hi) is the whole mask and the Gluon forward
+    adds no bias there."""
     row = tl.program_id(0)
     mask_row = MASK + (row // HM).to(tl.int64) * stride_mb + (row % HM) * stride_mh
     first = seqlen_k
     last = -1
+    n_live = 0
+    n_biased = 0  # live keys whose bias is not 0
     for start in range(0, bias_len if WRITE_BIAS else seqlen_k, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         in_seq = cols < seqlen_k
@@ -213,23 +218,32 @@ def _mask_key_range_kernel(MASK, RANGE, BIAS, stride_mb, stride_mh, stride_mn, H
             bias = _apply_mask(tl.zeros([CHUNK], dtype=tl.float32), m, MASK_IS_BOOL)
             tl.store(BIAS + row.to(tl.int64) * bias_len + cols, tl.where(in_seq, bias, float("-inf")),
                      mask=cols < bias_len)
+            n_live += tl.sum(live.to(tl.int32), 0)
+            n_biased += tl.sum((live & (bias != 0.0)).to(tl.int32), 0)
     tl.store(RANGE + row * 2, tl.where(last < 0, 0, first))
     tl.store(RANGE + row * 2 + 1, last + 1)
+    if WRITE_BIAS:
+        pure = (n_live == 0) | ((n_live == last + 1 - first) & (n_biased == 0))
+        tl.store(PURE + row, pure.to(tl.int32))
 
 
 def mask_key_ranges(mask, mask_strides, seqlen_k, mask_is_bool, launch, bias_len=0):
     """The (rows, 2) int32 output of _mask_key_range_kernel for a query-broadcast mask (one row per
     (batch, head) of the mask, broadcast dims counted once) and its (batch, head) strides in elements;
-    with bias_len (>= seqlen_k), also the (rows, bias_len) fp32 bias rows of WRITE_BIAS, returned third."""
+    with bias_len (>= seqlen_k), also WRITE_BIAS's (rows, bias_len) fp32 bias rows and (rows,) int32 pure
+    flags, returned third and fourth."""
     bm, hm = mask.shape[0], mask.shape[1]
     ranges = torch.empty((bm * hm, 2), dtype=torch.int32, device=mask.device)
-    bias = torch.empty((bm * hm, bias_len), dtype=torch.float32, device=mask.device) if bias_len else ranges
+    bias, pure = ranges, ranges
+    if bias_len:
+        bias = torch.empty((bm * hm, bias_len), dtype=torch.float32, device=mask.device)
+        pure = torch.empty((bm * hm,), dtype=torch.int32, device=mask.device)
     launch(_mask_key_range_kernel)[(bm * hm,)](
-        mask, ranges, bias, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k, bias_len,
+        mask, ranges, bias, pure, mask_strides[0], mask_strides[1], mask_strides[3], hm, seqlen_k, bias_len,
         MASK_IS_BOOL=mask_is_bool, CHUNK=KEY_RANGE_CHUNK, WRITE_BIAS=bias_len > 0, num_warps=4,
     )
     strides = (2 * hm if bm > 1 else 0, 2 if hm > 1 else 0)
-    return (ranges, strides, bias) if bias_len else (ranges, strides)
+    return (ranges, strides, bias, pure) if bias_len else (ranges, strides)
 
 
 @triton.jit

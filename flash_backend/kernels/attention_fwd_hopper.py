@@ -18,7 +18,9 @@ cuDNN and 1.16-1.21x our Triton forward at head_dim 128, 0.98-1.02x cuDNN at 256
 0.94-0.98x at 64 non-causal; causal head_dim 64 beats the Triton forward from 4096 query rows (session 25).
 
 Scope (`hopper_forward_supported` decides; everything else runs kernels/attention_fwd.py): fp16 / bf16,
-(head_dim, causal) in CONFIGS, no mask or bias, no dropout, no window, causal only top-left (or bottom-right
+(head_dim, causal) in CONFIGS, no mask but a padding one (one row of keys per (batch, head), bool or
+additive, not with causal masking: the CTA visits only the key blocks of the row's live range and adds its
+bias, prepared by padding_mask_args), no dropout, no window, causal only top-left (or bottom-right
 with Sq == Sk, the same thing), q / k / v / out with a contiguous last dim and 16-byte aligned strides
 (TMA), any lengths (rows past a sequence end are zero-filled by TMA loads and clipped by TMA stores), GQA by
 head mapping. It writes the same out and natural-log logsumexp as the Triton forward, so the backward is
@@ -81,6 +83,18 @@ CONFIGS = {
 _PRODUCER_REGS = 24
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of this many keys
+# How a consumer's key loop hides keys (_consumer_blocks' KEYS): past the sequence end and, causal, after the
+# query (no mask); outside a pure padding row's live range [key_lo, key_hi); by adding the row's bias.
+KEYS_PLAIN = triton.language.constexpr(0)
+KEYS_RANGE = triton.language.constexpr(1)
+KEYS_BIAS = triton.language.constexpr(2)
+# Head_dims whose padding-mask forward gives pure rows a key loop of their own (KEYS_RANGE: no bias loads,
+# only the range's edge blocks masked) beside the KEYS_BIAS loop. bench/probes/attention_padding_gluon_probe
+# .py on the H200 (bench/logs/attention_padding_gluon_probe_s27*_h200.log), forward GPU time, bias loop for
+# every row / both loops: head_dim 64 (8,16,2048, additive rows 3/4..1 long) 385 / 343 us, (4,16,4096)
+# 652 / 588; head_dim 128 (8,16,2048) 483 / 552, (4,16,4096, bool rows 1/2..1 long) 696 / 806. The second
+# loop doubles the consumers' code (head_dim 128: 57 -> 109 KB of SASS; 64: 91 KB unmasked, 146 with both).
+RANGE_LOOP_HEAD_DIMS = (64,)
 # Registers: the kernel's budget (maxnreg) is 65536 over its warps (the consumers' warpgroups and the
 # producer's); setmaxnreg then moves them from the producer (24) to the consumers.
 _REGS = {2: (168, 240), 3: (128, 160)}  # consumers: (maxnreg, registers a consumer thread)
@@ -132,55 +146,61 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn_bars.index((WG + 1) % turn_bars.type.shape[0]), count=1)
 
     @gluon.jit
-    def _masked(s, j, n_blocks, rows, first_row, seq_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                s_layout: gl.constexpr):
-        """Keys past seq_k (last block) and, causal, keys after the query (blocks reaching past the
-        warpgroup's first row) to -inf; other blocks pass unchanged."""
+    def _masked(s, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, KEYS: gl.constexpr, s_layout: gl.constexpr):
+        """Block j's scores (key block first_block + j) with the keys outside [key_lo, key_hi) and, causal,
+        the keys after the query set to -inf. Only the blocks that can hold such keys pay: the last (key_hi
+        is the sequence end or a padding row's end), the first under KEYS_RANGE (key_lo, a padding row's
+        first live key, may fall inside it; otherwise key_lo is 0), and, causal, those reaching past the
+        warpgroup's first row."""
         needs_mask = j == n_blocks - 1
+        if KEYS == KEYS_RANGE:
+            needs_mask = needs_mask | (j == 0)
         if CAUSAL:
             needs_mask = needs_mask | ((j + 1) * BLOCK_N > first_row + 1)
         if needs_mask:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(cols < seq_k, 0)
+            cols = (first_block + j) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            in_range = cols < key_hi
+            if KEYS == KEYS_RANGE:
+                in_range = in_range & (cols >= key_lo)
+            keep = gl.expand_dims(in_range, 0)
             if CAUSAL:
                 keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
             s = gl.where(keep, s, float("-inf"))
         return s
 
     @gluon.jit
-    def _block_bias(bias_row, block, BLOCK_N: gl.constexpr, HAS_MASK: gl.constexpr, s_layout: gl.constexpr):
-        """The padding mask's bias for key block `block`, a [BLOCK_N] row of the score tile's columns read
-        from its row of prepared bias (padding_mask_args: base 2, -inf past seq_k, padded to whole blocks,
-        so no bounds check); nothing without a mask."""
-        if HAS_MASK:
+    def _block_bias(bias_row, block, BLOCK_N: gl.constexpr, KEYS: gl.constexpr, s_layout: gl.constexpr):
+        """KEYS_BIAS: the prepared bias of key block `block` (base 2, -inf past seq_k, padded to whole
+        blocks, so no bounds check), a [BLOCK_N] row of the score tile's columns, loaded while the block's
+        S product runs; otherwise nothing."""
+        if KEYS == KEYS_BIAS:
             keys = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             return gl.load(bias_row + keys)
         else:  # one return per (constexpr) branch: Gluon checks the returns of a branch it generates
             return 0.0
 
     @gluon.jit
-    def _block_scores(s, bias, j, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, s_layout: gl.constexpr):
-        """Block j's scores in base 2 with what hides keys applied: the padding mask's bias (which also
-        hides the keys past seq_k), or the sequence end and the causal diagonal (_masked)."""
-        s = s * qk_scale
-        if HAS_MASK:
-            return s + gl.expand_dims(bias, 0)
+    def _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr,
+                      s_layout: gl.constexpr):
+        """Block j's scores in base 2 with what hides keys applied (module KEYS_* modes)."""
+        if KEYS == KEYS_BIAS:
+            return s * qk_scale + gl.expand_dims(bias, 0)
         else:
-            return _masked(s, j, n_blocks, rows, first_row, seq_k, BLOCK_N, CAUSAL, s_layout)
+            return _masked(s * qk_scale, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N,
+                           CAUSAL, KEYS, s_layout)
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, bias_row, first_block, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                  HAS_MASK: gl.constexpr):
-        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards, key blocks first_block onwards
-        (n_blocks of them; first_block > 0 only with a padding mask, whose bias row bias_row is)."""
-        q_tile = q_tiles.index(WG)
-        q_bar = q_bars.index(WG)
-        dtype: gl.constexpr = q_desc.dtype
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    def _consumer_blocks(WG: gl.constexpr, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                         turn_bars, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row,
+                         qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr):
+        """The key blocks of consumer WG's rows: (acc, m_i, l_i) of the online softmax, acc = unnormalised
+        P V. KEYS (module KEYS_* modes) says how keys are hidden, a constexpr so that each mode compiles to
+        a loop of its own (a runtime choice inside the loop spilled ~450 bytes at head_dim 64)."""
+        dtype: gl.constexpr = q_smem.dtype
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[3]  # k_bufs: [STAGES, 1, 1, BLOCK_N, HEAD_DIM]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -188,21 +208,13 @@ if GLUON_AVAILABLE:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-        first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
         # Causal: the CTA's n_blocks reach its last row's keys; this warpgroup's rows see fewer. It computes
         # its own n_mine blocks and only releases the rest (the drain below): with three consumers of 64
         # rows and 128-key blocks, the first warpgroup skips one or two blocks a CTA.
         n_mine = n_blocks
         if CAUSAL:
             n_mine = gl.minimum(n_blocks, (first_row + BLOCK_M + BLOCK_N - 1) // BLOCK_N)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
-        q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
-        rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
         zero_s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, s_layout)
-        mbarrier.wait(q_bar, 0)
 
         # key block 0: S_0 and its softmax, before the overlapped loop
         k_smem = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -210,17 +222,17 @@ if GLUON_AVAILABLE:
         _wait_turn(turn_bars, WG, 0, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
-        bias = _block_bias(bias_row, first_block, BLOCK_N, HAS_MASK, s_layout)
+        bias = _block_bias(bias_row, first_block, BLOCK_N, KEYS, s_layout)
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = _block_scores(s, bias, 0, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N, CAUSAL, HAS_MASK,
-                          s_layout)
+        s = _block_scores(s, bias, 0, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
+                          BLOCK_N, CAUSAL, KEYS, s_layout)
         m_i = gl.reduce(s, 1, _max_fn)
-        if HAS_MASK:
-            # The first block holds the mask row's first live key, live for every query row (the mask
+        if KEYS != KEYS_PLAIN:
+            # The first block holds the padding row's first live key, live for every query row (the mask
             # broadcasts over them), so every row's max is finite from here on, except when the row has no
             # live key at all: then the kernel was given one block, every score -inf, and the max taken as
-            # 0 keeps p = 0 (not NaN), l = 0, out = 0 and the logsumexp +inf below.
+            # 0 keeps p = 0 (not NaN), l = 0, acc = 0 (_consumer then writes out = 0, logsumexp +inf).
             m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = gl.exp2(s - gl.expand_dims(m_i, 1))
         l_i = gl.reduce(p, 1, _add_fn)
@@ -240,12 +252,12 @@ if GLUON_AVAILABLE:
             s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
             _pass_turn(turn_bars, WG, PINGPONG)
-            bias = _block_bias(bias_row, first_block + j, BLOCK_N, HAS_MASK, s_layout)
+            bias = _block_bias(bias_row, first_block + j, BLOCK_N, KEYS, s_layout)
             # wgmma groups complete in issue order: one outstanding means S_j is done, P V may still run
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            s = _block_scores(s, bias, j, n_blocks, rows, first_row, seq_k, qk_scale, BLOCK_N, CAUSAL,
-                              HAS_MASK, s_layout)
+            s = _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
+                              BLOCK_N, CAUSAL, KEYS, s_layout)
             m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_fn))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -278,6 +290,53 @@ if GLUON_AVAILABLE:
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 _wait_turn(turn_bars, WG, j + 1, PINGPONG)
                 _pass_turn(turn_bars, WG, PINGPONG)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
+                  qk_scale, bias_row, pure, key_lo, first_block, CAUSAL: gl.constexpr,
+                  PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr):
+        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards against key blocks first_block
+        onwards (n_blocks of them), keys [key_lo, seq_k) live; with a padding mask (HAS_MASK) seq_k is its
+        row's live end, bias_row its prepared bias row, and rows run the KEYS_BIAS loop, or with RANGE_LOOP
+        a pure row (the range is the whole mask) the KEYS_RANGE one (RANGE_LOOP_HEAD_DIMS says where)."""
+        q_tile = q_tiles.index(WG)
+        q_bar = q_bars.index(WG)
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
+        q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+        rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_bar, 0)
+
+        if RANGE_LOOP:  # HAS_MASK: pure rows take a loop that loads no bias
+            if pure:
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
+                                                 KEYS_RANGE)
+            else:
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
+                                                 KEYS_BIAS)
+        elif HAS_MASK:
+            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_BIAS)
+        else:
+            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_PLAIN)
 
         if HAS_MASK:
             no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
@@ -297,17 +356,19 @@ if GLUON_AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, seq_q, seq_k,
-                                     num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
+    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, PURE, seq_q,
+                                     seq_k, num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
                                      CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                      PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row) and live key
-        ranges (KEY_RANGE, (first, last + 1) a row), row batch * mask_row_b + head * mask_row_h
-        (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not with CAUSAL
-        (a query row before the first live key would see none; the routing keeps those on the Triton
-        forward)."""
+                                     RANGE_LOOP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr):
+        """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row), live key ranges
+        (KEY_RANGE, (first, last + 1) a row) and pure flags (PURE), row batch * mask_row_b + head *
+        mask_row_h (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not
+        with CAUSAL (a query row before the first live key would see none; the routing keeps those on the
+        Triton forward)."""
         gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
+        gl.static_assert(HAS_MASK or not RANGE_LOOP, "RANGE_LOOP is a padding-mask variant")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         pid_m = gl.program_id(0)
@@ -324,11 +385,15 @@ if GLUON_AVAILABLE:
             n_blocks = (seq_k + BLOCK_N - 1) // BLOCK_N
         mask_row = batch * mask_row_b + head * mask_row_h
         bias_row = BIAS + mask_row.to(gl.int64) * bias_len
+        key_lo = 0
+        pure = 0
         if HAS_MASK:
-            key_range = KEY_RANGE + 2 * mask_row
-            first_block = gl.load(key_range) // BLOCK_N
-            # a row without live keys ((0, 0)) still takes one block: see _consumer's first block
-            n_blocks = gl.maximum((gl.load(key_range + 1) + BLOCK_N - 1) // BLOCK_N - first_block, 1)
+            key_lo = gl.load(KEY_RANGE + 2 * mask_row)
+            seq_k = gl.load(KEY_RANGE + 2 * mask_row + 1)  # the row's live end: no key past it counts
+            pure = gl.load(PURE + mask_row)
+            first_block = key_lo // BLOCK_N
+            # a row without live keys ((0, 0)) still takes one block: see _consumer_blocks' first block
+            n_blocks = gl.maximum((seq_k + BLOCK_N - 1) // BLOCK_N - first_block, 1)
 
         q_block: gl.constexpr = q_desc.block_type.shape
         q_tiles = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_block, q_desc.layout)
@@ -356,10 +421,12 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -368,13 +435,16 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, first_block, CAUSAL, PINGPONG, HAS_MASK)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -466,11 +536,13 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
     for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
         block, layout = _tile(rows, head_dim, torch_dtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    signature.update(LSE="*fp32", BIAS="*fp32", KEY_RANGE="*i32", seq_q="i32", seq_k="i32", num_heads="i32",
-                     group="i32", qk_scale="fp32", bias_len="i32", mask_row_b="i32", mask_row_h="i32")
+    signature.update(LSE="*fp32", BIAS="*fp32", KEY_RANGE="*i32", PURE="*i32", seq_q="i32", seq_k="i32",
+                     num_heads="i32", group="i32", qk_scale="fp32", bias_len="i32", mask_row_b="i32",
+                     mask_row_h="i32")
     maxnreg, consumer_regs = _REGS[consumers]
     constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                      HAS_MASK=mask, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
+                      HAS_MASK=mask, RANGE_LOOP=mask and head_dim in RANGE_LOOP_HEAD_DIMS,
+                      PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(fn=_attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
@@ -492,18 +564,20 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 def padding_mask_args(attn_mask, seq_k, dummy):
-    """(bias, key ranges, (bias_len, mask_row_b, mask_row_h), has mask): a padding mask as both Gluon
-    kernels take it, prepared by one small Triton launch (attention_fwd.mask_key_ranges): each mask row's
-    live key range and its bias, fp32 in base 2, padded with -inf to whole 128-key blocks (the largest
-    block of either kernel); a (batch, head) pair reads row batch * mask_row_b + head * mask_row_h (0 on a
-    dim the mask broadcasts). Without a mask, dummy in place of both tensors."""
+    """(bias, key ranges, pure flags, (bias_len, mask_row_b, mask_row_h), has mask): a padding mask as both
+    Gluon kernels take it, prepared by one small Triton launch (attention_fwd.mask_key_ranges): each mask
+    row's live key range, its bias, fp32 in base 2, padded with -inf to whole 128-key blocks (the largest
+    block of either kernel), and whether it is plain padding (the range is the whole mask); a (batch, head)
+    pair reads row batch * mask_row_b + head * mask_row_h (0 on a dim the mask broadcasts). Without a mask,
+    dummy in place of the tensors."""
     if attn_mask is None:
-        return dummy, dummy, (0, 0, 0), False
+        return dummy, dummy, dummy, (0, 0, 0), False
     mask_strides = tuple(0 if attn_mask.shape[d] == 1 else attn_mask.stride(d) for d in range(4))
     bias_len = cdiv(seq_k, _BIAS_BLOCK) * _BIAS_BLOCK
-    ranges, (range_b, range_h), bias = mask_key_ranges(attn_mask, mask_strides, seq_k,
-                                                       attn_mask.dtype == torch.bool, fast_kernel, bias_len)
-    return bias, ranges, (bias_len, range_b // 2, range_h // 2), True
+    ranges, (range_b, range_h), bias, pure = mask_key_ranges(attn_mask, mask_strides, seq_k,
+                                                             attn_mask.dtype == torch.bool, fast_kernel,
+                                                             bias_len)
+    return bias, ranges, pure, (bias_len, range_b // 2, range_h // 2), True
 
 
 def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None, attn_mask=None):
@@ -519,11 +593,12 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
                          "contiguous (B, H, Sq)")
     block_n, stages, pingpong, consumers = config or CONFIGS[(D, causal)]
     maxnreg, consumer_regs = _REGS[consumers]
-    bias, key_ranges, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
+    bias, key_ranges, pure, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
     grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
     fast_kernel(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
-        lse, bias, key_ranges, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, CONSUMERS=consumers,
-        STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask, PRODUCER_REGS=_PRODUCER_REGS,
+        lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, CONSUMERS=consumers,
+        STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask,
+        RANGE_LOOP=has_mask and D in RANGE_LOOP_HEAD_DIMS, PRODUCER_REGS=_PRODUCER_REGS,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )
