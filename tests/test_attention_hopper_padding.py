@@ -88,20 +88,17 @@ def _spill_bytes(kernel) -> int:
 
 
 @pytest.mark.parametrize(("kind", "head_dim", "spill_limit"),
-                         [("fwd_pure_rows", 64, 0), ("fwd_biased_rows", 64, 0), ("fwd_pure_rows", 128, 0),
-                          ("fwd_biased_rows", 128, 0), ("bwd", 64, 0), ("bwd", 128, 320)])
+                         [("fwd", 64, 0), ("fwd", 128, 0), ("bwd", 64, 0), ("bwd", 128, 320)])
 def test_padding_variants_compile_for_sm90(kind, head_dim, spill_limit):
     """The padding-mask variants lower to sm_90 with wgmma and within a spill budget: the bias comes from
     prepared rows at constant offsets (reading the mask itself spilled ~950 bytes in the three-warpgroup
-    head_dim-64 forward, choosing between pure and biased rows inside one loop ~450; the forward's two
-    launches each compile one loop); the head_dim-128 backward spills 188 bytes without a mask and 248
-    with."""
+    head_dim-64 forward, choosing between pure and biased rows inside one loop ~450); the head_dim-128
+    backward spills 188 bytes without a mask and 248 with."""
     if not hopper_bwd.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API (or no TMA reduce-add)")
-    if kind.startswith("fwd"):
-        keys = hopper_fwd.KEYS_RANGE if kind == "fwd_pure_rows" else hopper_fwd.KEYS_BIAS
+    if kind == "fwd":
         kernel = hopper_fwd.compile_sm90(head_dim, "bf16", False, hopper_fwd.CONFIGS[(head_dim, False)],
-                                         mask=keys.value)
+                                         mask=True)
     else:
         kernel = hopper_bwd.compile_sm90(head_dim, "bf16", False, mask=True)
     assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024
@@ -113,8 +110,7 @@ def test_no_causal_padding_variant():
     if not hopper_bwd.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API")
     with pytest.raises(Exception, match="padding mask runs without causal"):
-        hopper_fwd.compile_sm90(128, "bf16", True, hopper_fwd.CONFIGS[(128, True)],
-                                mask=hopper_fwd.KEYS_BIAS.value)
+        hopper_fwd.compile_sm90(128, "bf16", True, hopper_fwd.CONFIGS[(128, True)], mask=True)
     with pytest.raises(ValueError, match="head_dim 256"):
         hopper_bwd.compile_sm90(256, "bf16", False, mask=True)
 

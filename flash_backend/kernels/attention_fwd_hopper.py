@@ -88,13 +88,13 @@ _BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of th
 KEYS_PLAIN = triton.language.constexpr(0)
 KEYS_RANGE = triton.language.constexpr(1)
 KEYS_BIAS = triton.language.constexpr(2)
-# A padding mask's rows are computed by two launches, KEYS_RANGE for the pure rows (no bias loads, only the
-# range's edge blocks masked) and KEYS_BIAS for the others, each CTA of the other kind returning at once.
-# bench/probes/attention_padding_overhead_probe.py on the H200 (bench/logs/attention_padding_overhead_s27_h200
-# .log, every key live, forward GPU time): one launch choosing the loop per row inside the consumer (both
-# loops in one kernel) 367 us at 8,16,2048,64 against 326 us for the same call without a mask, the bias loop
-# alone 417 us (head_dim 128: 569 against 483); the second loop doubled the consumers' code (head_dim 128:
-# 57 -> 109 KB of SASS) and cost head_dim 128 more than the bias loads it saved.
+# Head_dims whose padding-mask forward gives pure rows a key loop of their own (KEYS_RANGE: no bias loads,
+# only the range's edge blocks masked) beside the KEYS_BIAS loop. bench/probes/attention_padding_gluon_probe
+# .py on the H200 (bench/logs/attention_padding_gluon_probe_s27*_h200.log), forward GPU time, bias loop for
+# every row / both loops: head_dim 64 (8,16,2048, additive rows 3/4..1 long) 385 / 343 us, (4,16,4096)
+# 652 / 588; head_dim 128 (8,16,2048) 483 / 552, (4,16,4096, bool rows 1/2..1 long) 696 / 806. The second
+# loop doubles the consumers' code (head_dim 128: 57 -> 109 KB of SASS; 64: 91 KB unmasked, 146 with both).
+RANGE_LOOP_HEAD_DIMS = (64,)
 # Registers: the kernel's budget (maxnreg) is 65536 over its warps (the consumers' warpgroups and the
 # producer's); setmaxnreg then moves them from the producer (24) to the consumers.
 _REGS = {2: (168, 240), 3: (128, 160)}  # consumers: (maxnreg, registers a consumer thread)
@@ -147,25 +147,26 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _masked(s, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, KEYS: gl.constexpr, FIRST: gl.constexpr, s_layout: gl.constexpr):
+                CAUSAL: gl.constexpr, KEYS: gl.constexpr, s_layout: gl.constexpr):
         """Block j's scores (key block first_block + j) with the keys outside [key_lo, key_hi) and, causal,
         the keys after the query set to -inf. Only the blocks that can hold such keys pay: the last (key_hi
-        is the sequence end or a padding row's end), under KEYS_RANGE the first (FIRST: the peeled block 0,
-        where a pure padding row's first live key key_lo may fall; key_lo is 0 otherwise), and, causal,
-        those reaching past the warpgroup's first row."""
-        if KEYS == KEYS_RANGE and FIRST:
-            cols = first_block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims((cols >= key_lo) & (cols < key_hi), 0), s, float("-inf"))
-        else:
-            needs_mask = j == n_blocks - 1
+        is the sequence end or a padding row's end), the first under KEYS_RANGE (key_lo, a padding row's
+        first live key, may fall inside it; otherwise key_lo is 0), and, causal, those reaching past the
+        warpgroup's first row."""
+        needs_mask = j == n_blocks - 1
+        if KEYS == KEYS_RANGE:
+            needs_mask = needs_mask | (j == 0)
+        if CAUSAL:
+            needs_mask = needs_mask | ((j + 1) * BLOCK_N > first_row + 1)
+        if needs_mask:
+            cols = (first_block + j) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            in_range = cols < key_hi
+            if KEYS == KEYS_RANGE:
+                in_range = in_range & (cols >= key_lo)
+            keep = gl.expand_dims(in_range, 0)
             if CAUSAL:
-                needs_mask = needs_mask | ((j + 1) * BLOCK_N > first_row + 1)
-            if needs_mask:
-                cols = (first_block + j) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(cols < key_hi, 0)
-                if CAUSAL:
-                    keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-                s = gl.where(keep, s, float("-inf"))
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+            s = gl.where(keep, s, float("-inf"))
         return s
 
     @gluon.jit
@@ -181,15 +182,14 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr, FIRST: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr,
                       s_layout: gl.constexpr):
-        """Block j's scores in base 2 with what hides keys applied (module KEYS_* modes); FIRST: j is the
-        peeled block 0."""
+        """Block j's scores in base 2 with what hides keys applied (module KEYS_* modes)."""
         if KEYS == KEYS_BIAS:
             return s * qk_scale + gl.expand_dims(bias, 0)
         else:
             return _masked(s * qk_scale, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N,
-                           CAUSAL, KEYS, FIRST, s_layout)
+                           CAUSAL, KEYS, s_layout)
 
     @gluon.jit
     def _consumer_blocks(WG: gl.constexpr, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -226,7 +226,7 @@ if GLUON_AVAILABLE:
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(0), count=1)
         s = _block_scores(s, bias, 0, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                          BLOCK_N, CAUSAL, KEYS, True, s_layout)
+                          BLOCK_N, CAUSAL, KEYS, s_layout)
         m_i = gl.reduce(s, 1, _max_fn)
         if KEYS != KEYS_PLAIN:
             # The first block holds the padding row's first live key, live for every query row (the mask
@@ -257,7 +257,7 @@ if GLUON_AVAILABLE:
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
             mbarrier.arrive(k_empty.index(stage), count=1)
             s = _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                              BLOCK_N, CAUSAL, KEYS, False, s_layout)
+                              BLOCK_N, CAUSAL, KEYS, s_layout)
             m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_fn))
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -295,11 +295,12 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                   v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, bias_row, key_lo, first_block, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                  KEYS: gl.constexpr):
+                  qk_scale, bias_row, pure, key_lo, first_block, CAUSAL: gl.constexpr,
+                  PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr):
         """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards against key blocks first_block
-        onwards (n_blocks of them), keys [key_lo, seq_k) live, hidden as the KEYS mode says; with a padding
-        mask seq_k is its row's live end and bias_row its prepared bias row."""
+        onwards (n_blocks of them), keys [key_lo, seq_k) live; with a padding mask (HAS_MASK) seq_k is its
+        row's live end, bias_row its prepared bias row, and rows run the KEYS_BIAS loop, or with RANGE_LOOP
+        a pure row (the range is the whole mask) the KEYS_RANGE one (RANGE_LOOP_HEAD_DIMS says where)."""
         q_tile = q_tiles.index(WG)
         q_bar = q_bars.index(WG)
         dtype: gl.constexpr = q_desc.dtype
@@ -317,11 +318,27 @@ if GLUON_AVAILABLE:
         rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         mbarrier.wait(q_bar, 0)
 
-        acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                         turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                         bias_row, qk_scale, CAUSAL, PINGPONG, KEYS)
+        if RANGE_LOOP:  # HAS_MASK: pure rows take a loop that loads no bias
+            if pure:
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
+                                                 KEYS_RANGE)
+            else:
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
+                                                 KEYS_BIAS)
+        elif HAS_MASK:
+            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_BIAS)
+        else:
+            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_PLAIN)
 
-        if KEYS != KEYS_PLAIN:
+        if HAS_MASK:
             no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
             l_i = gl.where(no_live_key, 1.0, l_i)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -332,7 +349,7 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, head, first_row, 0], q_tile)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log, as the Triton forward writes it
-        if KEYS != KEYS_PLAIN:
+        if HAS_MASK:
             lse = gl.where(no_live_key, float("inf"), lse)
         lse_offsets = (batch * num_heads + head).to(gl.int64) * seq_q + rows
         gl.store(LSE + lse_offsets, lse, mask=rows < seq_q)
@@ -342,16 +359,16 @@ if GLUON_AVAILABLE:
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, PURE, seq_q,
                                      seq_k, num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
                                      CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                     PINGPONG: gl.constexpr, KEYS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
+                                     RANGE_LOOP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr):
-        """KEYS (module KEYS_* modes): KEYS_PLAIN without a mask; with a padding mask, given as its rows'
-        bias (BIAS, bias_len keys a row), live key ranges (KEY_RANGE, (first, last + 1) a row) and pure
-        flags (PURE), row batch * mask_row_b + head * mask_row_h (padding_mask_args), a launch with
-        KEYS_RANGE computes the pure rows and one with KEYS_BIAS the others: a CTA of the other kind returns
-        at once. The CTA visits only the key blocks its row's range touches. Not with CAUSAL (a query row
-        before the first live key would see none; the routing keeps those on the Triton forward)."""
-        HAS_MASK: gl.constexpr = KEYS != KEYS_PLAIN
+        """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row), live key ranges
+        (KEY_RANGE, (first, last + 1) a row) and pure flags (PURE), row batch * mask_row_b + head *
+        mask_row_h (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not
+        with CAUSAL (a query row before the first live key would see none; the routing keeps those on the
+        Triton forward)."""
         gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
+        gl.static_assert(HAS_MASK or not RANGE_LOOP, "RANGE_LOOP is a padding-mask variant")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         pid_m = gl.program_id(0)
@@ -369,11 +386,11 @@ if GLUON_AVAILABLE:
         mask_row = batch * mask_row_b + head * mask_row_h
         bias_row = BIAS + mask_row.to(gl.int64) * bias_len
         key_lo = 0
+        pure = 0
         if HAS_MASK:
-            if (gl.load(PURE + mask_row) != 0) != (KEYS == KEYS_RANGE):
-                return  # the other launch computes this row
             key_lo = gl.load(KEY_RANGE + 2 * mask_row)
             seq_k = gl.load(KEY_RANGE + 2 * mask_row + 1)  # the row's live end: no key past it counts
+            pure = gl.load(PURE + mask_row)
             first_block = key_lo // BLOCK_N
             # a row without live keys ((0, 0)) still takes one block: see _consumer_blocks' first block
             n_blocks = gl.maximum((seq_k + BLOCK_N - 1) // BLOCK_N - first_block, 1)
@@ -404,10 +421,12 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, key_lo, first_block, CAUSAL, PINGPONG, KEYS)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, key_lo, first_block, CAUSAL, PINGPONG, KEYS)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -416,13 +435,16 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, key_lo, first_block, CAUSAL, PINGPONG, KEYS)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, key_lo, first_block, CAUSAL, PINGPONG, KEYS)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, key_lo, first_block, CAUSAL, PINGPONG, KEYS)),
+                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
+                             HAS_MASK, RANGE_LOOP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -501,10 +523,10 @@ def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_
     return sm90_tma_inputs(q, k, v)
 
 
-def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: int = 0):
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = False):
     """The kernel compiled ahead of time for sm_90, no GPU needed (what the CPU tests check of it; Gluon has
-    no interpreter). dtype: "bf16" or "fp16"; config as attention_forward_hopper_launch's; mask: a KEYS
-    mode, 0 (no mask), 1 (a padding mask's pure rows) or 2 (its other rows)."""
+    no interpreter). dtype: "bf16" or "fp16"; config as attention_forward_hopper_launch's; mask: the
+    padding-mask variant."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -519,7 +541,8 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: int = 0)
                      mask_row_h="i32")
     maxnreg, consumer_regs = _REGS[consumers]
     constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                      KEYS=mask, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
+                      HAS_MASK=mask, RANGE_LOOP=mask and head_dim in RANGE_LOOP_HEAD_DIMS,
+                      PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(fn=_attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
@@ -572,11 +595,10 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
     maxnreg, consumer_regs = _REGS[consumers]
     bias, key_ranges, pure, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
     grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
-    descriptors = (_descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n),
-                   _descriptor(out, BLOCK_M))
-    for keys in (KEYS_RANGE, KEYS_BIAS) if has_mask else (KEYS_PLAIN,):
-        fast_kernel(_attention_fwd_hopper_kernel)[grid](
-            *descriptors, lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints,
-            CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, KEYS=keys.value,
-            PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
-        )
+    fast_kernel(_attention_fwd_hopper_kernel)[grid](
+        _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
+        lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, CONSUMERS=consumers,
+        STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask,
+        RANGE_LOOP=has_mask and D in RANGE_LOOP_HEAD_DIMS, PRODUCER_REGS=_PRODUCER_REGS,
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+    )
