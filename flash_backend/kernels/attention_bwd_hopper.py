@@ -22,10 +22,14 @@ what it lacks is warp specialisation and asynchronous wgmma, which Gluon exposes
   (bench/logs/attention_gluon_bwd_probe_h200.log and session 23's notes).
 
 It is not deterministic (the order of dQ's reduce-adds): with `torch.use_deterministic_algorithms(True)` the
-Triton backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask, dropout or
-window, causal top-left, 2**28 scores or more, TMA-compatible strides), head_dim 64 or 128 (causal 64 from
-2048 query rows), and head_dim 256 by kernels/attention_bwd_hopper_256.py (the warpgroups split head_dim
-instead of the keys), which this module's launcher runs.
+Triton backward runs. Scope (`hopper_backward_supported`): what the Hopper forward takes (no mask but a
+non-causal padding mask, no dropout or window, causal top-left, 2**28 scores or more, TMA-compatible
+strides), head_dim 64 or 128 (causal 64 from 2048 query rows), and head_dim 256 by kernels/
+attention_bwd_hopper_256.py (the warpgroups split head_dim instead of the keys; no mask), which this
+module's launcher runs. A padding mask (prepared as the forward takes it, attention_fwd_hopper.
+padding_mask_args) adds its bias to S^T's key rows, and a CTA whose keys are dead for every head of its
+GQA group visits no query block; its gradient is not computed here (a mask that requires grad keeps the
+Triton backward).
 """
 
 from __future__ import annotations
