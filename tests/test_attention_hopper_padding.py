@@ -77,6 +77,39 @@ def test_bias_rows_under_interpreter(interpreter):
     assert pure.tolist() == [0, 1, 1, 0, 0, 1]  # the last call (fp32 zeros): holes in rows 0, 3, 4
 
 
+@pytest.mark.interpret
+def test_bias_rows_of_strided_and_broadcast_masks_under_interpreter(interpreter):
+    """padding_mask_args' view of masks as SDPA callers pass them: a key dim with stride 2 (a slice), a
+    batch dim expanded from 1 (stride 0: every batch reads the same row), a (B, 1, Sq, Sk) mask expanded
+    over the queries (transformers' 4-d padding mask). Rows, ranges and pure flags as for the contiguous
+    (B, 1, 1, Sk) equivalent."""
+    from torch.library import wrap_triton
+
+    from flash_backend.kernels.attention_fwd import _mask_args, mask_key_ranges
+
+    B, Sk, bias_len = 3, 50, 128
+    live = torch.arange(Sk)[None, :] < torch.tensor([50, 17, 33])[:, None]
+    dense = torch.zeros(B, 1, 1, Sk).masked_fill(~live.view(B, 1, 1, Sk), float("-inf"))
+    strided = torch.full((B, 1, 1, 2 * Sk), 7.0)
+    strided[..., ::2] = dense
+    views = {
+        "key_stride_2": strided[..., ::2],
+        "batch_expanded": dense[:1].expand(B, 1, 1, Sk),
+        "query_expanded": dense.expand(B, 1, 40, Sk),
+    }
+    _, strides, _, _ = _mask_args(dense, None)
+    want = mask_key_ranges(dense, strides, Sk, False, wrap_triton, bias_len)
+    for name, view in views.items():
+        assert hopper_fwd.padding_mask_ok(view, -1, -1), name
+        _, strides, _, _ = _mask_args(view, None)
+        got = mask_key_ranges(view, strides, Sk, False, wrap_triton, bias_len)
+        rows = [0, 0, 0] if name == "batch_expanded" else [0, 1, 2]
+        assert torch.equal(got[0], want[0][rows]), name
+        assert torch.equal(got[2], want[2][rows]), name
+        assert torch.equal(got[3], want[3][rows]), name
+    assert want[3].tolist() == [1, 1, 1]  # right padding with bias 0: pure
+
+
 def _spill_bytes(kernel) -> int:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
