@@ -318,25 +318,15 @@ if GLUON_AVAILABLE:
         rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         mbarrier.wait(q_bar, 0)
 
-        if RANGE_LOOP:  # HAS_MASK: pure rows take a loop that loads no bias
-            if pure:
-                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
-                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
-                                                 KEYS_RANGE)
-            else:
-                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
-                                                 key_lo, seq_k, bias_row, qk_scale, CAUSAL, PINGPONG,
-                                                 KEYS_BIAS)
-        elif HAS_MASK:
+        if RANGE_LOOP and pure:  # RANGE_LOOP (a padding mask): pure rows take a loop that loads no bias
             acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                              turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_BIAS)
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_RANGE)
         else:
             acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                              turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_PLAIN)
+                                             bias_row, qk_scale, CAUSAL, PINGPONG,
+                                             KEYS_BIAS if HAS_MASK else KEYS_PLAIN)
 
         if HAS_MASK:
             no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
