@@ -214,6 +214,33 @@ def test_backward_routing_with_padding_masks(case, monkeypatch):
         assert got is routed
 
 
+def test_op_bodies_pass_the_padding_mask_to_the_opaque_ops(monkeypatch):
+    """flash::attention_forward's and flash::attention_backward's bodies (what Inductor traces) call the
+    opaque Gluon ops with the padding mask as their attn_mask argument (a mask whose gradient is wanted
+    keeps the Triton backward: BACKWARD_ROUTING's mask_gradient_wanted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(hopper_fwd, "_is_sm90", lambda index: True)
+    calls = {}
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.setdefault(str(func), []).append(args)
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        (q, k, v), call = _fake_call(mask_shape=(8, 1, 1, 2048), mask_dtype=torch.bfloat16, D=64)
+        mask = call["attn_mask"]
+        with RecordOps():
+            out, lse = attention_ops._attention_forward_impl(q, k, v, mask, None, 0.0, 0.125, -1, -1, False)
+            dq, dk, dv, dbias = attention_ops._attention_backward_impl(
+                torch.empty_like(out), q, k, v, out, lse, mask, None, 0.0, 0.125, -1, -1, False, False, False)
+    (fwd_args,) = calls["flash.attention_forward_hopper.default"]
+    (bwd_args,) = calls["flash.attention_backward_hopper.default"]
+    assert fwd_args[-1] is mask and bwd_args[-1] is mask
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dbias.numel() == 0
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 _HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
