@@ -171,10 +171,16 @@ def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
     name = op_name(node) or getattr(node.target, "__name__", str(node.target))
-    if any(r in str(name) for r in _RANDOM_OPS) or is_in_place(node):
+    if any(r in str(name) for r in _RANDOM_OPS) or is_in_place(node) and not _fresh_in_place(node):
         raise _Skip("nondeterministic or in-place")
-    if in_place_writers(node):  # then the value a use sees depends on where the use is
-        raise _Skip("written in place after it is computed")
+    # a write after it is computed: the value a use sees depends on where the use is (unless the one use is
+    # that write, on a fresh tensor: _fresh_in_place; or every use reads it after all its writes)
+    writers = [w for w in in_place_writers(node)
+               if w is not node and not (_fresh_in_place(w) and w.args[0] is node)]
+    if writers:
+        writers = _writes_before_reads(node, writers)
+        if writers is None:
+            raise _Skip("written in place after it is computed")
     if isinstance(meta, torch.Tensor):
         numel = math.prod(_hint(d, sizes) for d in meta.shape) if hints else meta.numel()
         if not (hints or _is_static(meta)) or numel > _CONST_EVAL_MAX_NUMEL:
@@ -182,12 +188,60 @@ def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs),
                                                lambda a: _const_eval(a, memo, hints))
     with torch.no_grad(), _real_mode():
+        if is_in_place(node):  # _fresh_in_place: into a copy, the memo's value of its input stays as it was
+            args = (args[0].clone(), *args[1:])
         if node.op == "call_function":
             result = node.target(*args, **kwargs)
         else:
             result = getattr(args[0], node.target)(*args[1:], **kwargs)
+    if writers:  # the value every reader sees: after the writes, in their order (_writes_before_reads)
+        result = result.clone()
+        for w in writers:
+            w_args, w_kwargs = torch.fx.node.map_aggregate((w.args[1:], w.kwargs),
+                                                           lambda a: _const_eval(a, memo, hints))
+            with torch.no_grad(), _real_mode():
+                if w.op == "call_function":
+                    w.target(result, *w_args, **w_kwargs)
+                else:
+                    getattr(result, w.target)(*w_args, **w_kwargs)
     memo[node] = result
     return result
+
+
+def _writes_before_reads(node: Node, writers: list[Node]) -> list[Node] | None:
+    """The in-place writes into node in graph order when every other use of node reads it after all of
+    them, else None: then each reader sees node's value with the writes applied in that order. A mask built
+    by statements, ``m = torch.full((S, S), -inf); m.triu_(1)`` or ``m[:, :p] = 0``, is a constant as much as
+    ``torch.full(..).triu(1)`` is (review s27: one with a dead row was rewritten as a runtime mask). Only
+    writes straight into node (not through a view), whose results are not used and whose other arguments
+    do not read node; node itself no view of another tensor."""
+    if node.op not in ("call_function", "call_method") or _is_alias_of_arg0(node):
+        return None
+    for w in writers:
+        others: list[Node] = []
+        torch.fx.node.map_arg((w.args[1:], w.kwargs), others.append)
+        if w.args[0] is not node or w.users or node in others:
+            return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    last = max(order[w] for w in writers)
+    if any(order[u] < last for u in node.users if u not in writers):
+        return None
+    return sorted(writers, key=order.__getitem__)
+
+
+def _fresh_in_place(node: Node) -> bool:
+    """An in-place method call whose value is that of the same call on a copy of its input: the input is
+    a tensor produced by a call that is no view of anything, and read by this call only (nothing sees it
+    before or after the write). F._canonical_mask turns nn.MultiheadAttention's bool attn_mask into
+    ``torch.zeros_like(m, dtype=float).masked_fill_(m, -inf)``: a constant mask built so (review s27)."""
+    base = node.args[0] if node.op == "call_method" and node.args else None
+    return (
+        isinstance(base, Node)
+        and base.op in ("call_function", "call_method")
+        and not _is_alias_of_arg0(base)
+        and set(base.users) == {node}
+        and isinstance(val(base), torch.Tensor)
+    )
 
 
 def _real_mode():
@@ -1168,6 +1222,16 @@ def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
                 "constant along the key dim that keeps the scores' shape and dtype")
 
 
+def _check_finite_shift(node: Node, number):
+    """A number added to or subtracted from every score is a shift softmax ignores only when it is finite
+    and small: ``s + float("-inf")`` makes every score -inf and ``s - nan`` every score NaN (eager's softmax:
+    NaN on every row), and a shift as large as a mask fill (``s - 1e9``) rounds the scores away (eager: the
+    uniform average of v), none of which the op, without the shift, gives (review s27)."""
+    if isinstance(number, complex) or not math.isfinite(number) or abs(number) >= -_MASKED_VALUE:
+        raise _Skip(f"'{node.name}' shifts every score by {number}: not a small finite constant, so not a "
+                    "shift that leaves softmax unchanged")
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts. softmax_nodes: the
     nodes of a written-out softmax, which read its input (the row max and the shift)."""
@@ -1238,6 +1302,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 raise _Skip(f"'{x.name}' adds with alpha={alpha}: the mask or the scores would be scaled")
             scores, mask = (a, b) if ra else (b, a)
             if is_number(mask):
+                _check_finite_shift(x, mask)
                 steps.append(("shift", mask))  # a constant shift does not change softmax
             else:
                 if mask in cand.masks.negated:  # masks are kept by node: s + m - m would give s - 2m
@@ -1272,6 +1337,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 what = getattr(shift, "name", shift)
                 raise _Skip(f"'{x.name}' subtracts '{what}' from the scores: neither a constant nor their "
                             "row max over the key dim (used there only)")
+            if row_max is None:
+                _check_finite_shift(x, shift)
             steps.append(("shift", shift))  # a per-row constant does not change softmax
             if row_max is not None:
                 cand.chain.extend(row_max)
@@ -2193,6 +2260,16 @@ def _rewrite_mha(graph: Graph, node: Node):
             # MultiheadAttention's bool masks mark what is masked out; float masks are added.
             masks.keeps.append((mask, True)) if _dtype(mask) == torch.bool else masks.additive.append(mask)
         masks.check((batch, heads, length, src_len))
+        # A constant mask that leaves a query row without a key (``triu(full(-inf), diagonal=0)``, one off):
+        # with need_weights (the default) MultiheadAttention's own softmax gives NaN there (-inf, or a bool
+        # mask, which it turns into -inf) and with a finite fill the average of v; without it SDPA gives 0
+        # for -inf and bool masks. The op gives 0: refused where eager differs for every input, as the
+        # softmax and SDPA paths do (review s27).
+        dead = masks.constant_dead_row(length, src_len)
+        if dead is not None and (a["need_weights"] is not False or masks.additive):
+            raise _Skip(f"the constant mask '{dead.name}' leaves a query row with no visible key: eager "
+                        "MultiheadAttention gives NaN (need_weights) or the average of v (finite fill) "
+                        "there, the op 0")
         weight, bias = a["in_proj_weight"], a["in_proj_bias"]
         if key is query and value is query:
             qkv = call(torch.nn.functional.linear, (query, weight, bias))
