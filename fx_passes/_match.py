@@ -113,11 +113,29 @@ def binary_other(node: object, name: str, this: torch.fx.Node):
 # many costs a fusion, one too few a wrong rewrite.
 _ALIASING = frozenset({
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "expand",
-    "expand_as", "transpose", "swapaxes", "swapdims", "movedim", "permute", "t", "getitem", "narrow",
-    "select", "slice", "as_strided", "unfold", "split", "chunk", "unbind", "diagonal", "detach", "alias",
-    "contiguous",
-    "to", "type", "type_as", "float", "half", "bfloat16", "double", "real", "view_as_real",
+    "expand_as", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "permute", "t", "adjoint",
+    "getitem", "narrow", "select", "slice", "as_strided", "unfold", "split", "split_with_sizes", "chunk",
+    "tensor_split", "hsplit", "vsplit", "dsplit", "unbind", "diagonal", "detach", "alias", "broadcast_to",
+    "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "positive", "conj", "resolve_conj", "resolve_neg",
+    "contiguous", "cpu", "cuda",
+    "to", "type", "type_as", "float", "half", "bfloat16", "double", "int", "long", "short", "char", "byte",
+    "bool", "real", "imag", "view_as_real", "view_as_complex",
 })
+# Dropout returns its input itself when it drops nothing: in eval (training=False) or with p = 0.
+_DROPOUTS = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+
+
+def _dropout_returns_input(node: torch.fx.Node) -> bool:
+    """A dropout call that may return its input itself: p = 0, training off (``F.dropout``'s training,
+    ``torch.dropout``'s train), or either not a constant."""
+    if op_name(node) not in _DROPOUTS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    kwargs = node.kwargs
+    training = node.args[2] if len(node.args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    return not isinstance(p, (int, float)) or p == 0 or training is not True
+
+
 # Written into their first argument although not spelled with a trailing underscore.
 _WRITERS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
             operator.iand, operator.ior, operator.ixor, operator.setitem)
@@ -146,7 +164,7 @@ def _is_alias_of_arg0(node: torch.fx.Node) -> bool:
         return False
     if node.op == "call_function" and node.target is getattr:  # x.T, x.mT, x.real
         return True
-    return op_name(node) in _ALIASING or is_in_place(node)  # x.mul_(2) returns x
+    return op_name(node) in _ALIASING or is_in_place(node) or _dropout_returns_input(node)  # x.mul_(2): x
 
 
 def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ()) -> list[torch.fx.Node]:
