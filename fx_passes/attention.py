@@ -1499,10 +1499,12 @@ def _qk(cand: _Candidate, mm: Node):
     cand.variant = name
     if name == "baddbmm":
         q, kt = _baddbmm_operands(cand, mm)  # Bloom: alibi.baddbmm(batch1=q, batch2=kᵀ, ...)
-    elif len(mm.args) == 2:
-        q, kt = mm.args
     else:
-        raise _Skip(f"'{mm.name}' does not take q and kᵀ as its two positional operands")
+        # by position or keyword (torch.matmul(input=q, other=kt), torch.bmm(q, mat2=kt)), nothing else
+        names = ("input", "mat2" if name == "bmm" else "other")
+        q, kt = arg(mm, 0, names[0]), arg(mm, 1, names[1])
+        if len(mm.args) > 2 or set(mm.kwargs) - set(names[len(mm.args):]):
+            raise _Skip(f"'{mm.name}' does not take q and kᵀ as its two operands")
     if not (isinstance(q, Node) and isinstance(kt, Node)):
         raise _Skip("q·kᵀ operands are not tensors")
     ndim = len(_shape(q) or ())
@@ -1625,9 +1627,12 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
         cand.out_perm = [produced.index(c) for c in out]
         cand.variant += "+einsum"
         return
-    if pv.args[0] is not probs or not isinstance(pv.args[1], Node):
+    # by position or keyword: torch.matmul(p, other=v), torch.bmm(input=p, mat2=v) (an IndexError before;
+    # review s27, forms)
+    left, right = arg(pv, 0, "input"), arg(pv, 1, "mat2" if name == "bmm" else "other")
+    if left is not probs or not isinstance(right, Node):
         raise _Skip("the probabilities are not the left operand of the ·v matmul")
-    cand.v = pv.args[1]
+    cand.v = right
     if len(_shape(cand.v) or ()) != len(_shape(probs) or ()):
         raise _Skip("v does not have the probabilities' batch dims")
 
@@ -1836,7 +1841,9 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     """softmax: an F.softmax / torch.softmax / .softmax call, or the division ending a softmax written out
     (``exp(..) / ..``, see _written_out_softmax), which then stands for the softmax node throughout."""
     written_out = op_name(softmax) == "div"
-    x = softmax.args[0].args[0] if written_out else softmax.args[0]  # the scores exp or softmax takes
+    # the scores exp or softmax takes; F.softmax(input=s, dim=-1) names them (an IndexError before; review
+    # s27, forms)
+    x = softmax.args[0].args[0] if written_out else arg(softmax, 0, "input")
     if not isinstance(x, Node) or tensor_meta(x) is None:
         return
     cand = _Candidate()
