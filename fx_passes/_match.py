@@ -139,6 +139,12 @@ def _dropout_returns_input(node: torch.fx.Node) -> bool:
 # Written into their first argument although not spelled with a trailing underscore.
 _WRITERS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
             operator.iand, operator.ior, operator.ixor, operator.setitem)
+# Augmented assignments called by name (``t.__iadd__(b)``, ``torch.Tensor.__imul__(t, 2)``): dynamo records
+# them as such, and a trailing-underscore rule skips dunders (review s27: ``logits.__iadd__(b)`` before a
+# loss went unseen and the fused loss read the logits unwritten).
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and", "or",
+    "xor")) | {"__setitem__"}
 # Pure although spelled with a trailing underscore (dynamo records `a & b` as operator.and_).
 _PURE_UNDERSCORED = (operator.and_, operator.or_, operator.not_)
 
@@ -156,7 +162,7 @@ def is_in_place(node: object) -> bool:
     if op_name(node) == "dropout" and len(node.args) > 3 and node.args[3] is True:
         return True
     name = str(op_name(node) or node.target)
-    return name.endswith("_") and not name.endswith("__")
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def _is_alias_of_arg0(node: torch.fx.Node) -> bool:
