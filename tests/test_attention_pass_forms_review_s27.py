@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_norm_dense_ce_review_s23 import Fn
 from test_norm_dense_ce_review_s25 import _run
 
 from flash_backend.backend import rewrite_only_backend
@@ -45,15 +46,6 @@ def _cold_inductor_cache():
 
     with fresh_inductor_cache():
         yield
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _check(model, args, rewrites, skipped=0, reason=None, text=None, absent=None, tol=TOL, dynamic=None,

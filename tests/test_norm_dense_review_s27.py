@@ -33,40 +33,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_norm_dense_ce_review_s25 import _compile, _run
-from torch._dynamo.utils import counters
-
-from fx_passes import collecting
+from test_pass_review_s26 import _check
 
 N, K, ROWS = 40, 24, 37
 EPS = 1e-6
 SQRT2 = math.sqrt(2.0)
-
-
-def _check(model, args, family, rewrites=None, skipped=0, reason=None, text=None, atol=1e-5, rtol=1e-5,
-           handled=None):
-    """In training and in eval: `rewrites` rewrites and `skipped` near misses of `family` (or, with handled,
-    rewrites + near misses == handled), and the compiled model returns eager's outputs and gradients."""
-    for train in (True, False):
-        model.train(train)
-        torch._dynamo.reset()
-        counters.clear()
-        with collecting() as report:
-            compiled = _compile(model)
-            expected, got = _run(model, args, train), _run(compiled, args, train)
-        assert len(got) == len(expected), str(report)
-        for e, g in zip(expected, got, strict=True):
-            assert g.dtype == e.dtype and g.shape == e.shape, str(report)
-            torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True)
-        if handled is not None:
-            assert counters["flash"][family] + counters["flash"][f"{family}_skipped"] == handled, str(report)
-        else:
-            assert counters["flash"][family] == rewrites, str(report)
-            assert counters["flash"][f"{family}_skipped"] == skipped, str(report)
-        if reason is not None:
-            assert any(reason in d.detail for d in report.near_misses), str(report)
-        if text is not None:
-            assert any(text in d.variant for d in report.rewrites), str(report)
 
 
 @pytest.fixture(autouse=True)
