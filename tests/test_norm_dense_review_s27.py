@@ -31,11 +31,11 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from test_pass_review_s26 import _check
 
-N, K, ROWS = 40, 24, 37
+# Fn: a weight and bias of shape (N,), Linears K -> N (with and without bias) and a head N -> V
+from test_pass_review_s26 import ROWS, Fn, K, N, _check
+
 EPS = 1e-6
 SQRT2 = math.sqrt(2.0)
 
@@ -45,19 +45,6 @@ def _seeded():
     torch.manual_seed(0)
 
 
-class Fn(nn.Module):
-    """fn(module, *inputs) with a weight and bias of shape (N,) and Linears K -> N (with and without bias)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(N))
-        self.bias = nn.Parameter(0.1 * torch.randn(N))
-        self.lin = nn.Linear(K, N)
-        self.lin_nb = nn.Linear(K, N, bias=False)
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def _x(*shape, dtype=torch.float32):
