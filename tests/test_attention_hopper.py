@@ -8,6 +8,7 @@ gradients through the shared backward, opcheck, torch.compile.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,6 +25,12 @@ from flash_backend.ops import attention as attention_ops
 from flash_backend.ops.attention import attention_reference, flash_attention
 
 # ---------------------------------------------------------------------------------------------- CPU
+
+
+# sm_90 ptxas's spill stores (bytes) where not 0: head_dim 64 causal (three consumers, 160 registers a
+# thread) spills one value of the launch order's arithmetic (_heaviest_first), stored and loaded once a CTA
+# outside the key loops (nvdisasm: no STL / LDL between a loop's head and its back branch).
+SPILL_LIMIT = {(64, True): 8}
 
 
 @pytest.mark.parametrize(("head_dim", "causal", "dtype", "pingpong"),
@@ -45,7 +52,8 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
         ptx_file.write_text(ptx)
         command = [str(ptxas), "-v", "-arch=sm_90a", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")]
         report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-    assert "0 bytes spill stores" in report, report
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert spills <= SPILL_LIMIT.get((head_dim, causal), 0), report
 
 
 def _fake_qkv(B=8, H=16, Hkv=16, Sq=2048, Sk=2048, D=128, dtype=torch.bfloat16, bshd=False):
@@ -146,6 +154,24 @@ def test_routing_under_dynamic_shapes(monkeypatch):
         assert hopper.hopper_forward_supported(q, k, v, None, 0.0, -1, 0, False)
 
 
+def test_causal_launch_groups_of_rows(monkeypatch):
+    """heaviest_first_rows: the plain order (1) without causal masking; causal, the power of two at or below
+    the rows holding `waves` waves of CTAs (132 SMs), at most the grid's rows, at least one row; the
+    forward's groups 4 waves, the backward's 1 (attention_causal_order_probe_s28_h200.log)."""
+    from flash_backend.kernels import attention_bwd_hopper as hopper_bwd
+
+    monkeypatch.setattr(hopper, "_sm_count", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert (hopper.HEAVIEST_FIRST_WAVES, hopper_bwd.HEAVIEST_FIRST_WAVES) == (4, 1)
+    assert hopper.heaviest_first_rows(16, 128, False, device, 4) == 1
+    assert hopper.heaviest_first_rows(16, 128, True, device, 4) == 32  # 528 / 16 = 33 rows
+    assert hopper.heaviest_first_rows(16, 128, True, device, 1) == 8  # 132 / 16 = 8.25: 9 rows
+    assert hopper.heaviest_first_rows(128, 16, True, device, 4) == 4  # 5 rows
+    assert hopper.heaviest_first_rows(36, 15, True, device, 4) == 8  # 15 rows: all of them
+    assert hopper.heaviest_first_rows(256, 16, True, device, 1) == 1
+    assert hopper.heaviest_first_rows(16, 20, True, device, 4) == 16  # the grid's 20 rows
+
+
 def test_routing_off_on_other_gpus(monkeypatch):
     monkeypatch.setattr(hopper, "_is_sm90", lambda index: False)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -220,6 +246,27 @@ def test_cuda_hopper_forward_matches_reference(case, dtype):
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-5)
     if bshd:
         assert out.stride() == q.stride()
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_causal_launch_orders_agree(head_dim):
+    """Causal launches in groups of rows (_heaviest_first) compute every tile as the plain order does:
+    the output and logsumexp bitwise the same for groups of 1 row, of 5 (12 rows: the last group short) and
+    of all 12, every element written; the plain order's is checked against fp32 by the tests above."""
+    q, k, v = _cuda_qkv(2, 6, 3, 1000, 1000, head_dim, torch.bfloat16, False)
+    results = []
+    for rows_per_group in (1, 5, 12):
+        out, lse = attention_ops._alloc_forward(q, v)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        hopper.attention_forward_hopper_launch(q, k, v, head_dim ** -0.5, True, out, lse,
+                                               rows_per_group=rows_per_group)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
 @pytest.mark.cuda

@@ -47,6 +47,7 @@ from flash_backend.kernels.attention_fwd_hopper import (
     _descriptor,
     _tile,
     _tma_ok,
+    heaviest_first_rows,
     padding_mask_args,
     plain_attention_case,
     sm90_tma_inputs,
@@ -66,6 +67,8 @@ if GLUON_AVAILABLE:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flash_backend.kernels.attention_fwd_hopper import _heaviest_first
 
     # TMA's reduce-add (cp.reduce.async.bulk.tensor): Gluon 3.6's builder has the op but the language no
     # function for it. Without it (another Triton), every call takes the Triton backward.
@@ -95,6 +98,12 @@ HEAD_DIMS = (*CONFIGS, 256)
 # ec3acd5 against efcbc32). From 2048 rows it gains: 1.01-1.02x at 8,16,2048, and 2,16,8192's fwd+bwd went
 # from 0.81x to 0.90x cuDNN.
 MIN_SEQ_Q_CAUSAL_64 = 2048
+# The causal backward's groups of rows (attention_fwd_hopper._heaviest_first): about one wave of CTAs. Each
+# row of a group streams its Q, dO and fp32 dQ through L2, and larger groups lost
+# (bench/logs/attention_causal_order_probe_s28_h200.log, the kernel alone against the plain order): at
+# 8,16,2048,128 groups of 8 rows (128 CTAs) 1.06x, 32 rows 1.02x, 128 rows 0.78x; GQA 4,32/8,4096,128 4 rows
+# 1.13x; head_dim 256 (256 CTAs a row) the plain order.
+HEAVIEST_FIRST_WAVES = 1
 _PRODUCER_REGS = 24
 _MAXNREG, _CONSUMER_REGS = 168, 240  # two consumer warpgroups and a producer warp (the forward's budget)
 
@@ -103,12 +112,17 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _key_block(KEYS_A_CTA: gl.constexpr, num_heads, group, seq_q, BLOCK_M: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-        """This CTA's work, from the grid (key blocks, B * Hkv): its first key n0, its (batch, kv head), and
-        the query blocks it visits (q_block_start onwards, n_q_blocks of them, per head of the GQA group).
-        Shared by both Gluon backwards (the head_dim 256 one in kernels/attention_bwd_hopper_256.py)."""
-        n0 = gl.program_id(0) * KEYS_A_CTA  # causal: the first key blocks have the most queries, go first
-        bkv = gl.program_id(1)
+                   CAUSAL: gl.constexpr, rows_per_group):
+        """This CTA's work, from the grid (key blocks, B * Hkv) in the launch order of rows_per_group: its
+        first key n0, its (batch, kv head), and the query blocks it visits (q_block_start onwards, n_q_blocks
+        of them, per head of the GQA group). Shared by both Gluon backwards (the head_dim 256 one in
+        kernels/attention_bwd_hopper_256.py)."""
+        if CAUSAL:  # the first key blocks see the most queries
+            key_block, bkv = _heaviest_first(rows_per_group)
+        else:
+            key_block = gl.program_id(0)
+            bkv = gl.program_id(1)
+        n0 = key_block * KEYS_A_CTA
         num_kv_heads = num_heads // group
         batch = bkv // num_kv_heads
         kv_head = bkv % num_kv_heads
@@ -286,16 +300,16 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
                                      BIAS, KEY_RANGE, seq_q, num_heads, group, qk_scale, scale, bias_len,
-                                     mask_row_b, mask_row_h, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                     HAS_MASK: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr):
+                                     mask_row_b, mask_row_h, rows_per_group, STAGES: gl.constexpr,
+                                     CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
+                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """HAS_MASK: a padding mask as the forward takes it (attention_fwd_hopper.padding_mask_args: bias
         rows and live key ranges), not with CAUSAL."""
         gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(2 * KEYS, num_heads, group, seq_q, BLOCK_M,
-                                                                   CAUSAL)
+                                                                   CAUSAL, rows_per_group)
         if HAS_MASK:
             # Keys outside every group head's live range get dK = dV = 0 and add nothing to dQ (p = 0 for
             # every query): such a CTA visits no query block and only writes its zeros.
@@ -415,7 +429,7 @@ def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict)
     block, layout = dq_tile
     signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
     signature.update(LSE="*fp32", DELTA="*fp32", seq_q="i32", num_heads="i32", group="i32",
-                     qk_scale="fp32", scale="fp32")
+                     qk_scale="fp32", scale="fp32", rows_per_group="i32")
     # the padding-mask arguments, of the kernels that have them (padding_mask_args)
     signature.update(BIAS="*fp32", KEY_RANGE="*i32", bias_len="i32", mask_row_b="i32", mask_row_h="i32")
     constexprs = dict(constexprs, PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS)
@@ -427,10 +441,11 @@ def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict)
 
 
 def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq, dk, dv, config=None,
-                                     attn_mask=None):
+                                     attn_mask=None, rows_per_group=None):
     """Fill dq, dk, dv with the Gluon backward; the caller checked hopper_backward_supported(...). dk / dv
     must be TMA-compatible (torch.empty_like of k / v is); dout, out and lse may have any strides; attn_mask
-    None or a padding mask (attention_fwd_hopper.padding_mask_ok), not at head_dim 256."""
+    None or a padding mask (attention_fwd_hopper.padding_mask_ok), not at head_dim 256; rows_per_group: the
+    launch order's (attention_fwd_hopper._heaviest_first; heaviest_first_rows's when None)."""
     from flash_backend.kernels.attention_bwd import _attention_bwd_preprocess_kernel
 
     B, H, Sq, D = q.shape
@@ -455,17 +470,20 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
         if attn_mask is not None:
             raise ValueError("attention_backward_hopper_launch: no padding mask at head_dim 256")
         attention_bwd_hopper_256.launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal,
-                                        config=config or attention_bwd_hopper_256.CONFIG)
+                                        config=config or attention_bwd_hopper_256.CONFIG,
+                                        rows_per_group=rows_per_group)
     else:
         block_m, stages = config or CONFIGS[D]
         dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
         bias, key_ranges, _, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
         grid = (cdiv(Sk, BLOCK_N), B * Hkv)
+        if rows_per_group is None:
+            rows_per_group = heaviest_first_rows(*grid, causal, q.device, HEAVIEST_FIRST_WAVES)
         fast_kernel(_attention_bwd_hopper_kernel)[grid](
             _descriptor(q, block_m), _descriptor(k, KEYS_PER_CONSUMER), _descriptor(v, KEYS_PER_CONSUMER),
             _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER),
             _descriptor(dv, KEYS_PER_CONSUMER), dq_desc, lse, delta, bias, key_ranges, Sq, H, H // Hkv,
-            scale * LOG2E, scale, *mask_ints, STAGES=stages, CAUSAL=causal, HAS_MASK=has_mask,
+            scale * LOG2E, scale, *mask_ints, rows_per_group, STAGES=stages, CAUSAL=causal, HAS_MASK=has_mask,
             PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
         )
     dq.copy_(dq_acc.view(B, H, Sq, D))

@@ -204,14 +204,14 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _attention_bwd_hopper_256_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
-                                         DELTA, seq_q, num_heads, group, qk_scale, scale,
+                                         DELTA, seq_q, num_heads, group, qk_scale, scale, rows_per_group,
                                          Q_STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
                                          CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                          CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(KEYS, num_heads, group, seq_q, BLOCK_M,
-                                                                   CAUSAL)
+                                                                   CAUSAL, rows_per_group)
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [DO_STAGES] + do_desc.block_type.shape,
@@ -283,20 +283,28 @@ def dq_tile():
     return block, gl.NVMMASharedLayout.get_default_for(block, gl.float32)
 
 
-def launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal, config=CONFIG):
+def launch(q, k, v, dout, dk, dv, dq_acc, lse, delta, scale, causal, config=CONFIG, rows_per_group=None):
     """Fill dk, dv and add dQ (times the softmax scale) into dq_acc, (B * H, Sq, 256) fp32 and zeroed by
-    the caller; lse and delta are (B * H, Sq) fp32. The caller (kernels/attention_bwd_hopper.py) checked
-    the call and the strides."""
+    the caller; lse and delta are (B * H, Sq) fp32; rows_per_group as attention_bwd_hopper's launcher
+    takes it. The caller (kernels/attention_bwd_hopper.py) checked the call and the strides."""
     from flash_backend._fast_launch import fast_kernel
     from flash_backend._host_math import cdiv
-    from flash_backend.kernels.attention_bwd_hopper import _CONSUMER_REGS, _MAXNREG, _PRODUCER_REGS
-    from flash_backend.kernels.attention_fwd_hopper import LOG2E
+    from flash_backend.kernels.attention_bwd_hopper import (
+        _CONSUMER_REGS,
+        _MAXNREG,
+        _PRODUCER_REGS,
+        HEAVIEST_FIRST_WAVES,
+    )
+    from flash_backend.kernels.attention_fwd_hopper import LOG2E, heaviest_first_rows
 
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     grid = (cdiv(Sk, KEYS), B * Hkv)
+    if rows_per_group is None:
+        rows_per_group = heaviest_first_rows(*grid, causal, q.device, HEAVIEST_FIRST_WAVES)
     fast_kernel(_attention_bwd_hopper_256_kernel)[grid](
         *_descriptors(q, k, v, dout, dk, dv, dq_acc), lse, delta, Sq, H, H // Hkv, scale * LOG2E, scale,
+        rows_per_group,
         Q_STAGES=config[0], DO_STAGES=config[1], CAUSAL=causal,
         PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
     )
