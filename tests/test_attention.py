@@ -355,6 +355,53 @@ def test_kernels_under_interpreter(interpreter, case, variant):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_causal_launch_groups_under_interpreter(interpreter, monkeypatch, atomic_dq):
+    """Causal launches in groups of (batch, head) pairs (attention_fwd._grid_ids with GROUP_CTAS, which the
+    GPU's launches take from causal_group_ctas): every block of every pair computed once, against the
+    reference. 4 query / key blocks a pair and groups of 5 programs: 2 pairs a group, the dK / dV launch's
+    3 (batch, kv head) pairs end in a group of one."""
+    from flash_backend.kernels import attention_bwd, attention_fwd
+
+    groups = []
+
+    def group_ctas(device, causal, bh_on_x):
+        groups.append(causal and not bh_on_x)
+        return 5 if causal and not bh_on_x else 0
+
+    monkeypatch.setattr(attention_fwd, "causal_group_ctas", group_ctas)
+    monkeypatch.setattr(attention_bwd, "causal_group_ctas", group_ctas)
+    q, k, v = _qkv(3, 2, 1, 100, 100, 32, dtype=torch.float16)
+    args = (None, None, 0.0, 0.3, -1, 0, False)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    attention_fwd.attention_forward_launch(q, k, v, *args, out, lse, config=(32, 32, 4, 2))
+    ref_out, ref_lse = attention_reference(q, k, v, *args)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    dout = torch.randn_like(q)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    attention_bwd.attention_backward_launch(dout, q, k, v, ref_out, ref_lse, *args, *grads, None,
+                                            config=(JOINT_DKDV, (32, 32, 4, 2)), atomic_dq=atomic_dq)
+    ref = attention_backward_reference(dout, q, k, v, ref_out, ref_lse, *args, compute_dbias=False)
+    for got, want in zip(grads, ref[:3], strict=True):  # ref[3]: no bias gradient
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=2e-3)
+    assert groups == [True] * (2 if atomic_dq else 3)  # the forward, dK / dV (and dQ) launches
+
+
+def test_causal_group_ctas(monkeypatch):
+    """GROUP_CTAS: CAUSAL_GROUP_WAVES waves of the GPU's SMs for a causal launch; 0 (the plain order)
+    otherwise, on the CPU (the interpreter) and for a swapped grid (bh_grid)."""
+    from flash_backend.kernels import attention_fwd
+
+    monkeypatch.setattr(attention_fwd, "sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert attention_fwd.causal_group_ctas(cuda, True, False) == attention_fwd.CAUSAL_GROUP_WAVES * 132
+    assert attention_fwd.causal_group_ctas(cuda, False, False) == 0
+    assert attention_fwd.causal_group_ctas(cuda, True, True) == 0
+    assert attention_fwd.causal_group_ctas(torch.device("cpu"), True, False) == 0
+
+
+@pytest.mark.interpret
 def test_mask_key_ranges_under_interpreter(interpreter):
     """The live key range of each mask row: first live key, last live key + 1; (0, 0) for a row with none.
     A key is dead when the kernels' _apply_mask makes its score -inf: False, -inf, or a finfo.min that
@@ -589,6 +636,31 @@ def test_cuda_forward_and_gradients(case, dtype):
         err_low, err = _lowp_error(low.float(), want.float(), got)
         assert torch.isfinite(got).all(), name
         assert err <= 2 * err_low + floor, f"{name}: err {err:.3g} vs torch low-precision {err_low:.3g}"
+
+
+@pytest.mark.cuda
+def test_cuda_causal_launch_groups_change_nothing(monkeypatch):
+    """The Triton kernels' causal launch in groups of (batch, head) pairs (attention_fwd._grid_ids; here 128
+    pairs of 16 blocks: two groups on a GPU of more than 63 SMs, the second short) against the plain order
+    (CAUSAL_GROUP_WAVES 0): out, lse, dq, dk, dv bitwise the same (each program computes the same tile; the dQ
+    kernel, no atomics)."""
+    from flash_backend.kernels import attention_fwd
+    from flash_backend.kernels.attention_bwd import attention_backward_launch
+
+    q, k, v = _qkv(8, 16, 16, 1024, 1024, 64, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q)
+    args = (None, None, 0.0, 0.125, -1, 0, False)
+    results = []
+    for waves in (0, attention_fwd.CAUSAL_GROUP_WAVES):
+        monkeypatch.setattr(attention_fwd, "CAUSAL_GROUP_WAVES", waves)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        attention_fwd.attention_forward_launch(q, k, v, *args, out, lse)
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        attention_backward_launch(dout, q, k, v, out, lse, *args, *grads, None)
+        results.append([out, lse, *grads])
+    assert attention_fwd.causal_group_ctas(q.device, True, False) > 0
+    for name, plain, grouped in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.isfinite(grouped).all() and torch.equal(grouped, plain), name
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ cuDNN's step in the same rounds. bench/logs/attention_causal_order_probe_s28_h20
 rule took its two waves counts and its rounding down: its "rule" marks and part 2 are that of one count for
 both, (HEAVIEST_FIRST_WAVES for both kernels, R = ceil(waves * SMs / blocks)).
 
-    python bench/probes/attention_causal_order_probe.py
+    python bench/probes/attention_causal_order_probe.py [part ...]   (parts 1, 2, 3; all by default)
 """
 
 # ruff: noqa: B023  (each closure is captured in a graph inside the iteration that defines it)
@@ -118,6 +118,10 @@ def part1():
         report(f"{B},{H}/{Hkv},{S},{D}", "bwd", us, default, checks)
 
 
+def _against_cudnn(us):
+    return "  ".join(f"{name} {t:8.1f} ({us['cudnn'] / t:.3f}x)" for name, t in us.items() if name != "cudnn")
+
+
 def part2():
     print("part 2: fwd+bwd step (flash_attention, autograd), GPU time, against cuDNN in the same rounds")
     shipped = fwd.HEAVIEST_FIRST_WAVES, bwd.HEAVIEST_FIRST_WAVES
@@ -139,13 +143,84 @@ def part2():
 
         graphs["cudnn"] = capture_graph(cudnn)
         us = interleaved_graph_us(graphs, rounds=7, reps=5)
-        cells = "  ".join(f"{name} {t:8.1f} ({us['cudnn'] / t:.3f}x)" for name, t in us.items()
-                          if name != "cudnn")
-        print(f"{B},{H}/{Hkv},{S},{D:<6} cudnn {us['cudnn']:8.1f}  {cells}  (shipped: waves {shipped})",
-              flush=True)
+        print(f"{B},{H}/{Hkv},{S},{D:<6} cudnn {us['cudnn']:8.1f}  {_against_cudnn(us)}  (shipped: waves "
+              f"{shipped})", flush=True)
+
+
+TRITON_CASES = [(16, 16, 16, 1024, 64), (8, 16, 16, 2048, 64), (16, 12, 12, 1024, 64), (4, 16, 16, 1024, 128)]
+TRITON_WAVES = [0, 2, 4, 8, 16]
+
+
+def part3():
+    """The Triton kernels (the causal launches the Gluon ones do not take: head_dim 64 below 4096 query
+    rows forward, 2048 backward, and problems under 2**28 scores) with attention_fwd.CAUSAL_GROUP_WAVES
+    swept (0: the plain order), forward and backward alone, outputs against the plain order's; and the
+    fwd+bwd step at 0 and the shipped value against cuDNN."""
+    from flash_backend.kernels import attention_fwd as tri_fwd
+    from flash_backend.kernels.attention_bwd import attention_backward_launch, use_atomic_dq
+
+    print("part 3: the Triton kernels, CAUSAL_GROUP_WAVES swept (kernels alone), then the step")
+    shipped = tri_fwd.CAUSAL_GROUP_WAVES
+    plain_args = (None, None, 0.0, None, -1, 0, False)
+    for B, H, Hkv, S, D in TRITON_CASES:
+        q, k, v = inputs(B, H, Hkv, S, D)
+        args = plain_args[:3] + (D ** -0.5,) + plain_args[4:]
+        dout = torch.randn_like(q)
+        fwd_graphs, bwd_graphs, checks, buffers = {}, {}, {}, {}
+        first = None
+        for waves in TRITON_WAVES:
+            tri_fwd.CAUSAL_GROUP_WAVES = waves  # read when the launch is captured
+            out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            # the graphs write these: keep them (torch.cuda.graph empties the allocator's cache, and a freed
+            # buffer of an earlier graph would be unmapped under its replay)
+            buffers[waves] = out, lse, grads
+
+            def run_fwd():
+                tri_fwd.attention_forward_launch(q, k, v, *args, out, lse, launch=lambda kk: kk)
+
+            def run_bwd():
+                attention_backward_launch(dout, q, k, v, out, lse, *args, *grads, None, launch=lambda kk: kk,
+                                          atomic_dq=use_atomic_dq(D, 0.0, False, False))
+
+            run_fwd()
+            run_bwd()
+            first = first or (out.clone(), [g.clone() for g in grads])
+            dq_err = ((grads[0].float() - first[1][0].float()).abs().max()).item()
+            kv_same = all(torch.equal(a, b) for a, b in zip(grads[1:], first[1][1:], strict=True))
+            same = torch.equal(out, first[0]) and kv_same
+            checks[waves] = f"{'out dK dV same' if same else 'DIFFERS'}, dQ diff {dq_err:.1e}"
+            fwd_graphs[waves] = capture_graph(run_fwd)
+            bwd_graphs[waves] = capture_graph(run_bwd)
+        tri_fwd.CAUSAL_GROUP_WAVES = shipped
+        for kind, graphs in (("fwd", fwd_graphs), ("bwd", bwd_graphs)):
+            us = interleaved_graph_us(graphs, rounds=9, reps=10)
+            for waves, t in us.items():
+                mark = " <- shipped" if waves == shipped else ""
+                print(f"{B},{H}/{Hkv},{S},{D:<8} {kind} waves {waves:<3d} {t:8.1f} us  "
+                      f"x plain {us[0] / t:6.3f}  {checks[waves]}{mark}", flush=True)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        steps = {}
+        for waves in (0, shipped):
+            tri_fwd.CAUSAL_GROUP_WAVES = waves
+            steps[f"waves {waves}"] = capture_graph(
+                lambda: torch.autograd.grad(flash_attention(q, k, v, is_causal=True), (q, k, v), dout))
+        tri_fwd.CAUSAL_GROUP_WAVES = shipped
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(o, (q, k, v), dout)
+
+        steps["cudnn"] = capture_graph(cudnn)
+        us = interleaved_graph_us(steps, rounds=9, reps=10)
+        print(f"{B},{H}/{Hkv},{S},{D:<8} step: cudnn {us['cudnn']:8.1f}  {_against_cudnn(us)}", flush=True)
 
 
 if __name__ == "__main__":
+    import sys
+
     torch.manual_seed(0)
-    part1()
-    part2()
+    parts = sys.argv[1:] or ["1", "2", "3"]
+    for part in parts:
+        {"1": part1, "2": part2, "3": part3}[part]()

@@ -41,6 +41,7 @@ from flash_backend.kernels.attention_fwd import (
     _prefetch_mask,
     _visible,
     bh_grid,
+    causal_group_ctas,
     head_dim_bucket,
     mask_is_query_broadcast,
     mask_key_ranges,
@@ -120,7 +121,7 @@ def _attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
 ):
-    pid_m, pid_bh = _grid_ids(BH_ON_X, False)
+    pid_m, pid_bh = _grid_ids(BH_ON_X, False, 0)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -410,8 +411,9 @@ def _attention_bwd_dkdv_kernel(
     NUM_STAGES: tl.constexpr,
     PART: tl.constexpr,  # DKDV_BOTH, or one of DV_ONLY / DK_ONLY when the launcher splits the work in two
     BH_ON_X: tl.constexpr,  # (batch, kv head) pairs on the grid's first axis (attention_fwd.bh_grid)
+    GROUP_CTAS: tl.constexpr,  # the launch order's groups (attention_fwd._grid_ids, causal_group_ctas)
 ):
-    pid_n, pid_bhk = _grid_ids(BH_ON_X, False)
+    pid_n, pid_bhk = _grid_ids(BH_ON_X, False, GROUP_CTAS)  # causal: the first key blocks are the heaviest
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -890,8 +892,9 @@ def _attention_bwd_dq_kernel(
     NARROW_KEYS: tl.constexpr,
     PREFETCH_MASK: tl.constexpr,
     BH_ON_X: tl.constexpr,  # (batch, head) pairs on the grid's first axis (attention_fwd.bh_grid)
+    GROUP_CTAS: tl.constexpr,  # the launch order's groups (attention_fwd._grid_ids, causal_group_ctas)
 ):
-    pid_m, pid_bh = _grid_ids(BH_ON_X, True)
+    pid_m, pid_bh = _grid_ids(BH_ON_X, True, GROUP_CTAS)
     # Inductor passes Python floats as fp64: keep the softmax in fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -1143,6 +1146,7 @@ def _launch_backward(
             NUM_STAGES=stages,
             PART=part,
             BH_ON_X=swap,
+            GROUP_CTAS=causal_group_ctas(q.device, window_right == 0, swap),
             num_warps=warps,
             num_stages=stages,
             **common,
@@ -1195,6 +1199,7 @@ def _launch_backward(
         NARROW_KEYS=narrow,
         PREFETCH_MASK=prefetch,
         BH_ON_X=swap,
+        GROUP_CTAS=causal_group_ctas(q.device, window_right == 0, swap),
         num_warps=warps,
         num_stages=stages,
         **common,

@@ -36,7 +36,12 @@ import triton
 
 from flash_backend._fast_launch import fast_kernel
 from flash_backend._host_math import cdiv
-from flash_backend.kernels.attention_fwd import mask_is_query_broadcast, mask_key_ranges
+from flash_backend.kernels.attention_fwd import (
+    device_index,
+    mask_is_query_broadcast,
+    mask_key_ranges,
+    sm_count,
+)
 
 try:  # Gluon's Hopper API (Triton >= 3.5); without it every call takes the Triton forward
     from triton.experimental import gluon
@@ -469,11 +474,6 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # The causal forward's groups of rows (_heaviest_first) hold about this many waves of CTAs (one CTA an SM).
 # Each CTA alone (bench/probes/attention_causal_order_probe.py, bench/logs/attention_causal_order_probe_s28_
 # h200.log), against the plain order: groups of 2-8 waves gained 1.02-1.08x at the bench's causal rows
@@ -488,8 +488,7 @@ def heaviest_first_rows(blocks: int, rows: int, causal: bool, device: torch.devi
     of 5 rows measured 0.99x at head_dim 256, where 4 and 8 gained 1.04x)."""
     if not causal:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    group = max(1, min(rows, cdiv(waves * _sm_count(index), blocks)))
+    group = max(1, min(rows, cdiv(waves * sm_count(device_index(device)), blocks)))
     return 1 << (group.bit_length() - 1)
 
 
@@ -538,8 +537,7 @@ def plain_attention_case(q, k, v, attn_mask, dropout_p, window_left, window_righ
 
 def sm90_tma_inputs(q, k, v) -> bool:
     """q's device is an sm_90 GPU and q, k, v are tensors TMA can describe (the checks that cost most)."""
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index) and all(_tma_ok(t) for t in (q, k, v))
+    return _is_sm90(device_index(q.device)) and all(_tma_ok(t) for t in (q, k, v))
 
 
 def hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right) -> bool:
