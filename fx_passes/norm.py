@@ -29,21 +29,26 @@ backward): a *norm core* over the last dim — ``F.layer_norm`` / ``nn.LayerNorm
   ``.unsqueeze(-1)``, ``[:, :, None]``), and so may both outputs of ``var_mean`` / ``std_mean``: the same
   values as keepdim=True;
 - the scaling: ``* rsqrt(s + eps)`` (function or method), ``/ sqrt(s + eps)``, ``** ±0.5``, ``.pow(..)``,
-  ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight of shape (N,) may
+  ``1 / sqrt(..)``, ``reciprocal(sqrt(..))``, eps on either side of the add; a weight row (below) may
   multiply the value being scaled (``w * (x - mean) / sqrt(var + eps)``);
 
 widened to include
 
 - upcasts of its input (``x.float()``) and casts of its output (``.to(input_dtype)``, ``.type_as``),
 - a trailing ``* weight`` and (LayerNorm) ``+ bias`` of shape (N,), on either side, or
-  ``torch.addcmul(bias, normalised, weight)``,
+  ``torch.addcmul(bias, normalised, weight)``; also rows kept with leading singleton dims, (1, N) or
+  (1, 1, N) (a parameter stored so, ``w.view(1, -1)``, ``w[None]``, ``w.unsqueeze(0)``), of at most the
+  normalised value's rank: their broadcast is the (N,) row's, so the op reads ``w.reshape(-1)`` and autograd
+  gives the gradient back in the parameter's shape. One of higher rank (a (1, N) weight on a 1-d x) adds
+  dims to eager's output: reported, not rewritten. A weight that varies over the rows ((M, N), (B, 1, N))
+  is no row and stays after the op,
 - the tensor it normalises when that is ``dropout(x) + residual`` (either order), ``x + residual``
   or ``dropout(x)``; when that tensor has other users (pre-norm blocks), they read the op's
   residual output instead (``return_residual=True``).
 
 The trade-off is the one the pass contract asks for: only what is provably the same function is
 rewritten. Structural facts (last dim only, keepdim, biased variance, constant eps and dropout p, no
-intermediate with outside users, weight shape (N,)) are checked on the graph; the result dtype and shape
+intermediate with outside users, weight a row of N) are checked on the graph; the result dtype and shape
 by running the fused op on the fake inputs, most fused form first (upcasts folded, whole affine tail),
 then keeping an upcast as the op's input or leaving trailing casts / affine ops after the op, where they
 run as eager ran them (a bf16 norm times an fp32 weight promotes there). When no form gives eager's
@@ -136,6 +141,27 @@ def _same_size(a, b) -> bool:
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(_same_size(p, q) for p, q in zip(a.shape, b.shape, strict=True))
+
+
+def _is_row(t: torch.Tensor | None, n, rank: int) -> bool:
+    """t is a weight / bias row of the normalised size n that the op can take as t.reshape(-1): shape (n,),
+    or (1, n) / (1, 1, n) (a parameter kept with leading singleton dims, ``w.view(1, -1)``, ``w[None]``),
+    of at most `rank` dims, the rank of the normalised value it scales. It then broadcasts over that value's
+    rows as the (n,) row does, giving the same values in the value's own shape; with more dims it would
+    prepend them to the output's shape, which the op's does not have."""
+    return t is not None and 1 <= t.dim() <= rank and _same_size(t.shape[-1], n) and all(
+        _same_size(s, 1) for s in t.shape[:-1])
+
+
+def _rank(node: torch.fx.Node) -> int:
+    """The number of dims of the value node produces; 1 without metadata (only an (n,) row then fits)."""
+    t = tensor_meta(node)
+    return t.dim() if t is not None else 1
+
+
+def _as_row(t):
+    """The (n,) row the op takes for a weight / bias kept with leading singleton dims (see _is_row)."""
+    return t.reshape(-1) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
 
 
 def _is_cast(node: object) -> bool:
@@ -421,7 +447,8 @@ class _Scaled:
 
 def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.Node) -> _Scaled:
     """The node computing value * rsqrt(..) or value / sqrt(..), with value accepted (or value * weight,
-    either order, weight of shape (n,) and not computed from the normalised tensor source)."""
+    either order, weight a row of n (_is_row: (n,), (1, n), ..) and not computed from the normalised tensor
+    source)."""
     for user in root.users:
         if is_sqrt:
             pair = binary_operands(user, "div")
@@ -434,8 +461,7 @@ def _numerator(root: torch.fx.Node, is_sqrt: bool, accept, n, source: torch.fx.N
             return _Scaled(user, candidate)
         pair = binary_operands(candidate, "mul")
         for value, weight in (pair, pair[::-1]) if pair is not None else ():
-            t = tensor_meta(weight)
-            if accept(value) and t is not None and t.dim() == 1 and _same_size(t.shape[0], n) \
+            if accept(value) and _is_row(tensor_meta(weight), n, _rank(value)) \
                     and not _depends_on(weight, {source}):
                 _check_product_kept(candidate, user)
                 return _Scaled(user, value, weight, candidate)
@@ -898,21 +924,24 @@ def _widen_tail(core: _Core) -> None:
         if t is None or operand is cur:
             break
         what = "weight" if is_mul else "bias"
-        if t.dim() == 1 and _same_size(t.shape[0], n):
+        rank = _rank(cur)
+        if _is_row(t, n, rank):
             if _depends_on(operand, pattern):
                 break
             has_weight, has_bias = has_weight or is_mul, has_bias or is_add
             core.tail.append((what, user, operand))
             cur = user
             continue
-        if t.dim() >= 1 and _same_size(t.shape[-1], n) and all(_same_size(s, 1) for s in t.shape[:-1]):
-            raise _Miss(f"{what} {operand.name} has shape {tuple(t.shape)}, not ({n},)")
+        if _is_row(t, n, t.dim()):  # a row with more dims than the normalised value
+            raise _Miss(f"{what} {operand.name} has shape {tuple(t.shape)}, not ({n},), and more dims than "
+                        f"the normalised value ({rank}): its broadcast adds dims to eager's output, which "
+                        "the fused op's does not have")
         break
 
 
 def _addcmul_affine(node: torch.fx.Node, cur: torch.fx.Node, n, pattern) -> tuple | None:
-    """(weight, bias) of ``torch.addcmul(bias, cur, weight)`` (either factor order, value=1), both (n,)
-    tensors the norm does not compute, else None."""
+    """(weight, bias) of ``torch.addcmul(bias, cur, weight)`` (either factor order, value=1), both rows of n
+    (_is_row) the norm does not compute, else None."""
     if not is_op(node, "addcmul") or len(node.args) != 3 or set(node.kwargs) - {"value"}:
         return None
     if node.kwargs.get("value", 1) != 1:
@@ -922,8 +951,7 @@ def _addcmul_affine(node: torch.fx.Node, cur: torch.fx.Node, n, pattern) -> tupl
         return None
     weight = t2 if t1 is cur else t1
     for operand in (weight, bias):
-        t = tensor_meta(operand)
-        if t is None or t.dim() != 1 or not _same_size(t.shape[0], n) or _depends_on(operand, pattern):
+        if not _is_row(tensor_meta(operand), n, _rank(cur)) or _depends_on(operand, pattern):
             return None
     return weight, bias
 
@@ -1060,7 +1088,7 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
     kwargs = {"eps": core.eps, "dropout_p": inputs.dropout_p, "is_rms_norm": core.is_rms,
               "return_residual": return_residual}
     try:
-        result = _fake_result(fn, args, kwargs)
+        result = _fake_result(_taking_rows(fn), args, kwargs)
     except Exception as e:  # noqa: BLE001 - the op's own input checks say what it cannot take
         raise _Miss(f"the fused op does not take these inputs: {str(e).splitlines()[0][:200]}") from None
     out = result[0] if return_residual else result
@@ -1103,6 +1131,22 @@ def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node) -> None:
                     "ends: what it reads depends on where it runs")
 
 
+def _taking_rows(fn):
+    """fn called with its weight and bias as the (n,) rows _apply passes it (see _row_input)."""
+    def call(x, residual, weight, bias, **kwargs):
+        return fn(x, residual, _as_row(weight), _as_row(bias), **kwargs)
+    return call
+
+
+def _row_input(graph, node: torch.fx.Node | None, like: torch.fx.Node) -> torch.fx.Node | None:
+    """node, or ``node.reshape(-1)`` for a weight / bias kept with leading singleton dims: the (n,) row the
+    op takes. Autograd through the reshape gives the parameter's gradient back in its own shape."""
+    t = tensor_meta(node)
+    if t is None or t.dim() <= 1:
+        return node
+    return insert_call(graph, torch.reshape, (node, (-1,)), like=like)
+
+
 def _fake_result(fn, args, kwargs):
     result = fake_call(fn, args, kwargs)
     if result is None:
@@ -1114,10 +1158,10 @@ def _choose(fn, core: _Core):
     """The most fused way to call the op that gives eager's result: (core, inputs, end node, plan)."""
     _check_inner(core)
     _widen_tail(core)
+    n, rank = tensor_meta(core.x).shape[-1], _rank(core.out)
     for w, what in ((core.weight, "weight"), (core.bias, "bias")):
-        t = tensor_meta(w) if w is not None else None
-        if w is not None and (t is None or t.dim() != 1):
-            raise _Miss(f"{what} is not a 1-d tensor of the normalised size")
+        if w is not None and not _is_row(tensor_meta(w), n, rank):
+            raise _Miss(f"{what} is not a row of the normalised size ({n},)")
     # Preferred first: input upcasts folded into the op, then kept as the op's input; the whole tail
     # folded, then shorter ones (what is left runs after the op, as eager ran it: an fp32 bias on a
     # bf16 norm promotes there). The first way whose result matches eager's dtype and shape is used.
@@ -1143,6 +1187,8 @@ def _choose(fn, core: _Core):
 def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> tuple[set[torch.fx.Node], str]:
     """Insert the op call, reroute the users of what it replaces, erase the pattern."""
     args, kwargs, return_residual, pattern = plan
+    x, residual, weight, bias = args
+    args = (x, residual, _row_input(graph, weight, core.anchor), _row_input(graph, bias, core.anchor))
     fused = insert_call(graph, fn, args, kwargs, like=core.anchor)
     if return_residual:
         out = insert_getitem(graph, fused, 0)
