@@ -16,14 +16,19 @@ What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, targe
   causal-LM loss upcasts first),
 - selections of rows: ``logits[..., :-1, :]`` (the causal-LM shift as older transformers models and much
   training code write it), any index of ints and slices (steps included) on the dimensions before the class
-  one, which it leaves whole, made before any reshape that regroups the rows. The Linear acts row-wise, so
-  that is the loss over every row with the other rows' targets set to ignore_index; the op gets that
-  target (built in the graph by a scatter) and still returns the full logits (_target_of_every_row),
+  one, which it leaves whole, a boolean mask of leading dimensions alone (``logits[labels != -100]``, where
+  dynamo captures it: capture_dynamic_output_shape_ops), ``narrow`` and ``select`` of a dimension before the
+  class one and an item of ``unbind`` of one (_row_selection), made before any reshape that regroups the
+  rows. Each picks every row at most once, in row-major order, and the Linear acts row-wise, so that is the
+  loss over every row with the other rows' targets set to ignore_index; the op gets that target (built in
+  the graph by a scatter) and still returns the full logits (_target_of_every_row),
 
 the output of ``F.linear(x, weight, bias)`` (``nn.Linear``) or of a matmul with a 2-D weight's transpose
-(``h @ self.wte.weight.T``, a tied head written out: ATen's bias-free F.linear is that matmul), or of a
-bias-free one plus a class bias of shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``),
-which becomes the op's bias. The logits keep every other user: the op returns them too, so a model that
+(``h @ self.wte.weight.T``, a tied head written out: ATen's bias-free F.linear is that matmul), of
+``torch.addmm(b, x, w.t())`` with beta = alpha = 1 and a class bias b (ATen's F.linear of a 2-D input), of an
+einsum that is a Linear (``"btd,vd->btv"``, ``"nd,vd->nv"``: _einsum_linear), or of a bias-free one of these
+plus a class bias of shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``), which becomes
+the op's bias. The logits keep every other user: the op returns them too, so a model that
 also returns them (``.logits``) still does. A label_smoothing or ignore_index that dynamic=True made a
 symbolic input (a loss module stored on the model) is specialised, with a guard, once every other check has
 passed.
@@ -44,16 +49,18 @@ nll_loss whose input is not a log_softmax (seen through views, transposes and ca
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input that is not
 (M, V) (a class dimension other than the last), a step in the chain that changes values or row order (a slice,
-step or index along the class dimension, a new axis, a tensor index, a row selection after a reshape that
-regrouped the rows, a transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), and
-logits that do not come from an F.linear, and a tensor the pattern reads that is written in place before the
-loss (``x.mul_(2)`` between the Linear and the loss), the logits written in place at all, through any view of
-them (before the loss it reads the written values; after it, the op's backward reads the logits it kept, where
-eager's reads its log-probabilities), and a target computed from the logits (pseudo-labels: the op would need
-it before it computes them). For the nll_loss form also: a log_softmax over another dimension, or in another
-dtype (fp64, a cast down), log-probabilities used elsewhere too (returned, or written in place), and a step
-between the log_softmax and the nll_loss other than such a reshape or row selection (a cast of the
-log-probabilities, a transpose).
+step, index, narrow, select or unbind along the class dimension, a new axis, an integer tensor index (it may
+pick a row twice), a mask computed from the logits, a row selection after a reshape that regrouped the rows, a
+transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), logits that do not come from an
+F.linear (addmm scaled by beta or alpha or with a bias per row, an einsum that sums over rows, reorders them
+or has a weight per batch, a (K, V) weight that is not a transpose), and a tensor the pattern reads that is
+written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the logits written in place
+at all, through any view of them (before the loss it reads the written values; after it, the op's backward
+reads the logits it kept, where eager's reads its log-probabilities), and a target computed from the logits
+(pseudo-labels: the op would need it before it computes them). For the nll_loss form also: a log_softmax over
+another dimension, or in another dtype (fp64, a cast down), log-probabilities used elsewhere too (returned, or
+written in place), and a step between the log_softmax and the nll_loss other than such a reshape or row
+selection (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
@@ -209,9 +216,15 @@ def _linear_operands(node: object) -> tuple | None:
     an ``F.linear`` call (``nn.Linear``), or ``x @ w.t()`` (``torch.matmul``, ``Tensor.matmul``, ``torch.mm``;
     any spelling of the transpose, _transposed_2d) with w 2-D, the tied-embedding head written out
     (``h @ self.wte.weight.T``). A bias-free F.linear is that matmul: ATen's linear computes
-    ``matmul(input, weight.t())`` when there is no bias. Else None."""
+    ``matmul(input, weight.t())`` when there is no bias. Also ``torch.addmm(b, x, w.t())`` (beta = alpha = 1,
+    b a class bias: ATen's F.linear of a 2-D input with a bias is that addmm) and an einsum that is a
+    Linear (_einsum_linear). Else None."""
     if is_op(node, "linear"):
         return (*linear_operands(node), None)
+    if is_op(node, "addmm"):
+        return _addmm_linear(node)
+    if is_op(node, "einsum"):
+        return _einsum_linear(node)
     if not is_op(node, "matmul", "mm") or len(node.args) != 2 or node.kwargs:
         return None
     x, transposed = node.args
@@ -220,6 +233,68 @@ def _linear_operands(node: object) -> tuple | None:
     if weight is None or xt is None or xt.dim() < 1 or (is_op(node, "mm") and xt.dim() != 2):
         return None
     return x, weight, None, transposed
+
+
+def _is_class_bias(bias: object, logits: object) -> bool:
+    """bias is shaped (V,) or (1, .., 1, V), no more dimensions than the logits, in the logits' dtype: added
+    to every row, it is the bias of an F.linear."""
+    b, out = tensor_meta(bias), tensor_meta(logits)
+    return b is not None and out is not None and 1 <= b.dim() <= out.dim() and b.dtype == out.dtype and \
+        all(statically_known_true(n == 1) for n in b.shape[:-1]) and \
+        statically_known_true(b.shape[-1] == out.shape[-1])
+
+
+def _addmm_linear(node: torch.fx.Node) -> tuple | None:
+    """``torch.addmm(b, x, w.t())`` / ``b.addmm(x, w.t())`` with beta = alpha = 1 and b a class bias:
+    ``b + x @ w.t()``, F.linear(x, w, b) (which ATen computes with that addmm). A bias of shape (M, V) (a
+    value per row), scaled operands, or a right operand that is not a 2-D transpose are not a Linear."""
+    if len(node.args) != 3 or any(k not in ("beta", "alpha") or v != 1 for k, v in node.kwargs.items()):
+        return None
+    bias, x, transposed = node.args
+    weight, xt = _transposed_2d(transposed), tensor_meta(x)
+    if weight is None or xt is None or xt.dim() != 2 or not _is_class_bias(bias, node):
+        return None
+    return x, weight, bias, transposed
+
+
+def _einsum_linear(node: torch.fx.Node) -> tuple | None:
+    """(x, weight, None, transpose or None) for an einsum that is F.linear(x, weight): two operands, one
+    (x) indexed by its rows' letters then the contracted one, the other 2-D (the weight: class and
+    contracted letters, ``"btd,vd->btv"``, ``"nd,vd->nv"``, ``"...d,vd->...v"``, either operand first), and
+    the output x's rows' letters in their order then the class letter. Also a weight written transposed,
+    ``"btd,dv->btv"`` with ``w.t()``. Every other equation (a sum over rows, a batched weight, the class
+    dimension elsewhere, an implicit output) is not a Linear."""
+    if node.kwargs or len(node.args) < 2 or not isinstance(node.args[0], str):
+        return None
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    equation = node.args[0].replace(" ", "")
+    if len(operands) != 2 or equation.count("->") != 1:
+        return None
+    inputs, out = equation.split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2 or not all(isinstance(o, torch.fx.Node) for o in operands):
+        return None
+    pairs = list(zip(subscripts, operands, strict=True))
+    for (w_sub, w), (x_sub, x) in (pairs, pairs[::-1]):
+        rows, contracted = x_sub[:-1], x_sub[-1:]
+        letters = rows[3:] if rows.startswith("...") else rows
+        if len(w_sub) != 2 or not w_sub.isalpha() or not contracted.isalpha() or \
+                not (letters.isalpha() or not letters) or \
+                len(set(letters + w_sub)) != len(letters) + 2 or contracted not in w_sub:
+            continue
+        classes = w_sub.replace(contracted, "")
+        xt, wt = tensor_meta(x), tensor_meta(w)
+        if out != rows + classes or xt is None or wt is None or wt.dim() != 2 or \
+                (not rows.startswith("...") and xt.dim() != len(x_sub)) or xt.dim() < 1:
+            continue
+        if w_sub == classes + contracted:  # (V, K): the weight itself
+            return x, w, None, None
+        weight = _transposed_2d(w)  # (K, V): a Linear only when it is the transpose of a (V, K) weight
+        if weight is not None:
+            return x, weight, None, w
+    return None
 
 
 def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
@@ -257,14 +332,24 @@ def _is_index_number(item: object) -> bool:
     return isinstance(item, int) and not isinstance(item, bool)
 
 
+def _is_row_mask(mask: torch.fx.Node, inp: torch.Tensor) -> bool:
+    """mask is a bool tensor shaped like leading dimensions of inp, not its class one: ``inp[mask]`` then
+    picks whole rows, each at most once, in row-major order."""
+    m = tensor_meta(mask)
+    return m is not None and m.dtype == torch.bool and 1 <= m.dim() < inp.dim() and \
+        all(statically_known_true(a == b) for a, b in zip(m.shape, inp.shape, strict=False))
+
+
 def _row_index(step: torch.fx.Node) -> tuple | None:
     """For ``logits[index]`` that selects rows only (ints and slices on the dimensions before the class
     one, with an Ellipsis, and the class dimension untouched, its item a full ``:`` or absent): the index
     with the class item dropped, which selects the same rows of a tensor of the leading shape; else None.
 
     Rows only, because the Linear acts row-wise: then the sliced logits are the logits of the same rows,
-    and the loss over them the loss over every row with the others ignored (_rewrite_one). A slice, a step
-    or an index along the class dimension, a None (a new axis) or a tensor index is none of that."""
+    and the loss over them the loss over every row with the others ignored (_rewrite_one). So is a boolean
+    mask of leading dimensions alone, ``logits[labels != -100]`` (_is_row_mask). A slice, a step or an index
+    along the class dimension, a None (a new axis) or an integer tensor index (which may pick a row twice,
+    counted twice by eager's loss and once by a target per row) is none of that."""
     if len(step.args) != 2 or step.kwargs:
         return None
     index = step.args[1]
@@ -272,6 +357,8 @@ def _row_index(step: torch.fx.Node) -> tuple | None:
     out, inp = tensor_meta(step), tensor_meta(step.args[0])
     if out is None or inp is None or inp.dim() < 2 or out.dim() < 1 or items.count(Ellipsis) > 1:
         return None
+    if len(items) == 1 and tensor_meta(items[0]) is not None:
+        return (items[0],) if _is_row_mask(items[0], inp) and out.dtype == inp.dtype else None
     if not all(i is Ellipsis or _is_index_number(i) or isinstance(i, slice) and
                all(p is None or _is_index_number(p) for p in (i.start, i.stop, i.step)) for i in items):
         return None
@@ -293,6 +380,60 @@ def _row_index(step: torch.fx.Node) -> tuple | None:
     return tuple(items)
 
 
+def _narrow_signature(input, dim, start, length):
+    """How torch.narrow and Tensor.narrow (self first) bind."""
+
+
+def _select_signature(input, dim, index):
+    """How torch.select and Tensor.select (self first) bind."""
+
+
+def _unbind_signature(input, dim=0):
+    """How torch.unbind and Tensor.unbind (self first) bind."""
+
+
+def _row_dim(dim: object, inp: torch.Tensor) -> int | None:
+    """dim as a non-negative dimension when it is a constant dimension of inp before the class one (the
+    same dimension of a tensor of inp's leading shape), else None."""
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -inp.dim() <= dim < inp.dim():
+        return None
+    dim %= inp.dim()
+    return dim if dim < inp.dim() - 1 else None
+
+
+def _row_selection(step: torch.fx.Node) -> tuple | None:
+    """(fn, arguments) when step selects rows of the logits, the class dimension left whole, such that
+    ``fn(rows, *arguments)`` selects the same rows of a tensor ``rows`` of the logits' leading shape; else
+    None. The selections: an index (_row_index), ``narrow`` and ``select`` of a dimension before the class
+    one, and an item of ``unbind`` of such a dimension (``logits.unbind(1)[2]``: ``select(1, 2)``). Each picks
+    every row at most once, in row-major order, so the loss over them is the loss over every row with the
+    others' targets ignored (_target_of_every_row)."""
+    if not isinstance(step, torch.fx.Node) or not step.args or not isinstance(step.args[0], torch.fx.Node):
+        return None
+    out = tensor_meta(step)
+    if is_op(step, "getitem") and is_op(step.args[0], "unbind"):
+        unbind, item = step.args[0], step.args[1] if len(step.args) == 2 and not step.kwargs else None
+        args = bound_arguments(unbind, _unbind_signature)
+        inp = tensor_meta(args["input"]) if args is not None and unbind.args[:1] == (args["input"],) else None
+        if inp is None or out is None or not isinstance(item, int) or isinstance(item, bool):
+            return None
+        dim = _row_dim(args["dim"], inp)
+        return (torch.select, (dim, item)) if dim is not None and out.dim() == inp.dim() - 1 else None
+    if is_op(step, "getitem"):
+        index = _row_index(step)
+        return (operator.getitem, (index,)) if index is not None else None
+    signature = {"narrow": _narrow_signature, "select": _select_signature}.get(op_name(step))
+    args = bound_arguments(step, signature) if signature is not None else None
+    inp = tensor_meta(args["input"]) if args is not None else None
+    if inp is None or out is None or out.dtype != inp.dtype:
+        return None
+    dim = _row_dim(args["dim"], inp)
+    indices = [args["start"], args["length"]] if "start" in args else [args["index"]]
+    if dim is None or not all(_is_index_number(n) for n in indices):
+        return None
+    return (torch.narrow if "start" in args else torch.select, (dim, *indices))
+
+
 def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object]:
     """(the F.linear node (or ``x @ w.t()``, _linear_operands), the chain between it and the cross-entropy,
     whether the chain upcasts, a bias added to the Linear's output in the chain or None)."""
@@ -311,8 +452,10 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
         name, source = op_name(node), node.args[0]
         if name in _RESHAPES and _is_reshape_keeping_classes(node, source):
             pass
-        elif name == "getitem" and _row_index(node) is not None:
-            pass
+        elif _row_selection(node) is not None:
+            if is_op(source, "unbind"):  # logits.unbind(1)[2]: the item and the unbind are one selection
+                chain.append(node)
+                node, source = source, source.args[0]
         elif name in _CASTS and not upcast and _is_upcast(node, source):
             upcast = tensor_meta(source).dtype != torch.float32
         else:
@@ -327,7 +470,8 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
 # Between a log_softmax and the nll_loss that reads it: what makes the nll_loss a candidate (reported when
 # it is not a reshape keeping the class dimension last).
 _TAIL_STEPS = _RESHAPES | _CASTS | {"transpose", "permute", "movedim", "swapaxes", "swapdims", "t", "squeeze",
-                                    "unsqueeze", "getitem", "half", "bfloat16", "double"}
+                                    "unsqueeze", "getitem", "narrow", "select", "unbind", "half", "bfloat16",
+                                    "double"}
 
 
 def _log_softmax_signature(input, dim=None, dtype=None, *, axis=None):
@@ -394,17 +538,20 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
         raise _Miss("cannot read the arguments of F.nll_loss")
     args = {**args, "label_smoothing": 0.0}  # F.cross_entropy's default: nll_loss has none
     _check_arguments(args)
-    for step in tail[:-1]:
+    for reader, step in zip([nll, *tail], tail[:-1], strict=False):
         # a selection of rows commutes with the row-wise log_softmax: F.log_softmax(z, -1)[:, :-1] is
         # F.log_softmax(z[:, :-1], -1), a row selection of the logits (_row_selections)
         if not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0]) or
-                op_name(step) == "getitem" and _row_index(step) is not None):
+                _row_selection(step) is not None or
+                is_op(step, "unbind") and _row_selection(reader) is not None):
             raise _Miss(f"the log-probabilities pass through {op_name(step) or step.target} ({step.name}) "
                         "between the log_softmax and the nll_loss, which is not a reshape keeping the class "
                         "dimension last or a selection of rows")
     z, upcasts = _log_softmax_input(tail[-1])
     for node, reader in zip(tail, [nll, *tail], strict=False):
-        others = [u.name for u in node.users if u is not reader]
+        # (a selection's row counts are redirected by _rewrite_one)
+        sizes = _row_count_reads(node) if _row_selection(node) is not None else []
+        others = [u.name for u in node.users if u is not reader and u not in sizes]
         if others:
             raise _Miss(f"the log-probabilities {node.name} are also used by {', '.join(others)}: the fused "
                         "op does not compute them")
@@ -418,12 +565,12 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 
 def _row_selections(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The row selections (``logits[..., :-1, :]``) in the chain, the Linear's side first; _Miss when one
-    follows a reshape that regroups the rows: its index then means rows of another shape than x's leading
-    one, which _target_of_every_row indexes."""
+    """The row selections (``logits[..., :-1, :]``, _row_selection) in the chain, the Linear's side first;
+    _Miss when one follows a reshape that regroups the rows: its index then means rows of another shape than
+    x's leading one, which _target_of_every_row indexes."""
     slices, regrouped = [], None
     for step in reversed(chain):  # the chain is latest first
-        if is_op(step, "getitem"):
+        if _row_selection(step) is not None:
             if regrouped is not None:
                 raise _Miss(f"the logits are indexed ({step.name}) after {regrouped.name} regrouped their "
                             "rows")
@@ -435,8 +582,9 @@ def _row_selections(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
 
 def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[torch.fx.Node],
                          target: torch.fx.Node, ignore_index: int, like: torch.fx.Node,
-                         inserted: list[torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(a target for every row of x, the positions of the selected rows among them), inserted into the graph.
+                         inserted: list[torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node, dict]:
+    """(a target for every row of x, the positions of the selected rows among them, for each selection the
+    row numbers it selects), inserted into the graph.
 
     The causal-LM shift, ``F.cross_entropy(logits[..., :-1, :]..., labels[..., 1:]...)``, is the loss over
     every row of the logits with the dropped rows' targets set to ignore_index: an ignored row adds 0 to
@@ -455,11 +603,25 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     ones = call(torch.ones_like, lead, dtype=torch.int64, memory_format=torch.contiguous_format)
     flat = call(torch.reshape, ones, (-1,))
     grid = call(torch.Tensor.view_as, call(torch.sub, call(torch.cumsum, flat, 0), 1), lead)
+    grids = {}
     for step in slices:
-        grid = call(operator.getitem, grid, _row_index(step))
+        select, arguments = _row_selection(step)
+        grid = grids[step] = call(select, grid, *arguments)
     positions = call(torch.reshape, grid, (-1,))
     # (no example value, the op's fake run below fails and reports it, erasing these)
-    return call(torch.scatter, call(torch.full_like, flat, ignore_index), 0, positions, target), positions
+    target = call(torch.scatter, call(torch.full_like, flat, ignore_index), 0, positions, target)
+    return target, positions, grids
+
+
+def _row_count_reads(step: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of a row selection that read one of its row dimensions' sizes only, ``sym_size(step, d)``:
+    dynamo adds them for a mask's data-dependent row count (its range assertions). The row numbers the
+    selection picks (_target_of_every_row's grid) have the same leading sizes, so they can read those
+    instead, and the selected logits need not be kept for them."""
+    out = tensor_meta(step)
+    return [u for u in step.users if out is not None and u.op == "call_function" and
+            u.target is torch.ops.aten.sym_size.int and len(u.args) == 2 and u.args[0] is step and
+            isinstance(u.args[1], int) and 0 <= u.args[1] % max(out.dim(), 1) < out.dim() - 1]
 
 
 def _computed_from(node: object, source: torch.fx.Node) -> bool:
@@ -497,7 +659,8 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     x, weight, bias, transposed = _linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
     logits_node = chain[-1] if added_bias is not None else linear
-    head = "F.linear" if transposed is None else "x @ w.t()"
+    head = {"linear": "F.linear", "addmm": "addmm(b, x, w.t())", "einsum": "einsum"}.get(op_name(linear),
+                                                                                        "x @ w.t()")
     variant = " -> ".join([head, *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
     written = written_before_end({linear, *chain, ce}, ce)
     if written is not None:
@@ -518,6 +681,11 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         # pseudo-labels, ``F.cross_entropy(logits, logits.argmax(-1))``: the op, which computes the logits,
         # would need its target before it runs
         raise _Miss(f"{variant}: the target {args['target'].name} is computed from the logits")
+    for step in slices:  # likewise what selects the rows, which builds the op's target (a mask, a size)
+        chosen_by = [n for n in step.all_input_nodes if n is not step.args[0] and _computed_from(n, linear)]
+        if chosen_by:
+            raise _Miss(f"{variant}: the rows {step.name} selects are chosen by {chosen_by[0].name}, "
+                        "computed from the logits")
     if _slower_than_unfused(x, weight, bias):
         raise _Miss(f"{variant}: on CUDA with flash_backend.config.cross_entropy_on_cuda off")
     logits_meta = tensor_meta(linear)
@@ -533,12 +701,15 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     kwargs = {"ignore_index": ignore_index, "reduction": args["reduction"],
               "label_smoothing": float(smoothing),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
-    inserted, target, positions = [], args["target"], None
-    if added_bias is not None:  # (1, .., 1, V) -> (V,): the op's bias
-        bias = insert_call(graph, torch.reshape, (added_bias, (-1,)), like=logits_node)
+    inserted, target, positions, grids = [], args["target"], None, {}
+    if added_bias is not None:
+        bias = added_bias
+    if bias is not None and tensor_meta(bias) is not None and tensor_meta(bias).dim() != 1:
+        # an added class bias or addmm's, (1, .., 1, V) -> (V,): the op's bias
+        bias = insert_call(graph, torch.reshape, (bias, (-1,)), like=logits_node)
         inserted.append(bias)
     if slices:
-        target, positions = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
+        target, positions, grids = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
     op_args = (x, weight, bias, target)
     # The op's per-row loss (reduction='none') covers every row of x; eager's the selected ones
     want_rows = val(target) if positions is not None and args["reduction"] == "none" else want_loss
@@ -567,6 +738,9 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     if positions is not None and args["reduction"] == "none":  # back to the selected rows, in their order
         loss = insert_call(graph, torch.index_select, (loss, 0, positions), like=ce)
     ce.replace_all_uses_with(loss)
+    for step, grid in grids.items():
+        for size in _row_count_reads(step):
+            size.replace_input_with(step, grid)
     logits_node.replace_all_uses_with(logits)
     record_rewrite(FAMILY, variant + (" (logits upcast to fp32)" if upcast else ""), _OP_NAME, ce)
     erase_unused(graph, [ce, *chain, linear, *filter(None, [transposed])])
