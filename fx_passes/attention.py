@@ -9,12 +9,13 @@ Trade-off: the matcher is a structural walk rather than traced ``register_replac
 code spells attention in too many equivalent ways (matmul / @ / bmm / einsum; scale on q, on k or on the
 scores, by a number or a sqrt tensor; masks added, filled or selected, in either operand order; casts and
 dropout anywhere on the probabilities; repeat_kv for GQA) for a table of traced patterns to cover their
-product. The walk starts at every softmax (and every SDPA call), follows the chain down to q·kᵀ and up to
-·v, and rewrites only when each step is proven equivalent: softmax over the last dim, kᵀ a transpose of
-k's last two dims, a constant positive scale, masks whose broadcast fits the scores, no cast to a lower
-precision, no other user of any intermediate, constant dropout settings. Anything else is a near miss,
-reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are evaluated
-at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears.
+product. The walk starts at every softmax (also written out, or as exp(log_softmax)) and every SDPA
+call, follows the chain down to q·kᵀ and up to ·v, and rewrites only when each step is proven equivalent:
+softmax over the last dim, kᵀ a transpose of k's last two dims, a constant positive scale, masks whose
+broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
+to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
+near miss, reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are
+evaluated at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears.
 
 The walk also sees through views / reshapes of the scores and probabilities that split or merge their
 leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
@@ -112,6 +113,45 @@ def _dtype(node):
 
 def _single_user(node: Node, user: Node) -> bool:
     return set(node.users) == {user}
+
+
+# The keywords naming the operands of add / sub / mul / div: torch.mul(input=s, other=c); a method's self is
+# always its first positional argument (s.mul(other=c)). operator.* takes positional operands only.
+_OPERAND_KEYWORDS = ("input", "other")
+
+
+def _operands(node) -> tuple | None:
+    """(a, b) of a binary arithmetic node (add, sub, mul, div), by position or keyword: ``torch.mul(s,
+    other=c)``, ``s.mul(other=c)`` and ``torch.div(input=s, other=c)`` are ``s * c`` and ``s / c`` (review
+    s28: scores scaled so were refused, ``torch.add(s, other=m)`` was not seen as a mask). None when there
+    are not exactly two (any other keyword, alpha or rounding_mode, is the caller's to read)."""
+    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or len(node.args) > 2:
+        return None
+    if node.op == "call_method" and not node.args:
+        return None
+    keywords = _OPERAND_KEYWORDS if node.op == "call_function" else ("self", "other")
+    values = list(node.args) + [node.kwargs[k] for k in keywords[len(node.args):] if k in node.kwargs]
+    return tuple(values) if len(values) == 2 else None
+
+
+def _extra_kwargs(node: Node) -> dict:
+    """A binary arithmetic node's keywords other than its operands (alpha, rounding_mode, out)."""
+    return {key: value for key, value in node.kwargs.items() if key not in _OPERAND_KEYWORDS}
+
+
+def _where_operands(node) -> tuple | None:
+    """(condition, input, other) of ``torch.where(cond, a, b)`` (by position or keyword) or of the method
+    ``a.where(cond, b)``, which is where(cond, a, b): self is the value kept where cond holds, not the
+    condition. None for anything else (torch.where(cond) alone returns indices)."""
+    if not isinstance(node, Node) or op_name(node) != "where":
+        return None
+    if node.op == "call_method":
+        values = (arg(node, 1, "condition"), node.args[0] if node.args else None, arg(node, 2, "other"))
+    else:
+        values = (arg(node, 0, "condition"), arg(node, 1, "input"), arg(node, 2, "other"))
+    if any(v is None for v in values) or len(node.args) + len(node.kwargs) != 3:
+        return None
+    return values
 
 
 def _is_static(t) -> bool:
@@ -386,6 +426,10 @@ class _Masks:
         self.keeps: list[tuple[Node, bool]] = []  # (bool tensor, negate): True = visible after negation
         self.additive: list[Node] = []
         self.negated: set[Node] = set()  # additive masks subtracted from the scores (s - m): the op adds -m
+        # Integer (or bool) additive masks and the scores' dtype eager converts them to before adding: the
+        # op gets m.to(dtype), the values eager adds (int -70000 is -inf in float16). Compile-time checks
+        # look at those values too.
+        self.casts: dict[Node, torch.dtype] = {}
         # The shape of the scores where each mask applies, when a view of their leading dims differs
         # from q·kᵀ's (a mask added to the (B, H, Sq, Sk) view of bmm's (B·H, Sq, Sk) scores).
         self.stages: dict[Node, tuple] = {}
@@ -410,8 +454,16 @@ class _Masks:
             if _dtype(node) != torch.bool:
                 raise _Skip(f"mask condition has dtype {_dtype(node)}, not bool")
         for node in self.additive:
-            if not _dtype(node).is_floating_point:
+            if not _dtype(node).is_floating_point and node not in self.casts:
                 raise _Skip(f"additive mask has dtype {_dtype(node)}, not floating point")
+
+    def value(self, node: Node, value):
+        """A constant additive mask's value as eager adds it: converted to the scores' dtype (casts)."""
+        if node not in self.casts:
+            return value
+        # a Python number (a where branch's scalar) as float64: exact for every value a float32 holds
+        return torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None).to(
+            self.casts[node])
 
     def constant_keep(self, sq: int, sk: int) -> torch.Tensor | None:
         """The visible-key pattern when every mask is a compile-time constant (else None)."""
@@ -422,7 +474,7 @@ class _Masks:
                 keep_i = ~k if negate else k
                 keep = keep_i if keep is None else keep & keep_i
             for node in self.additive:
-                m = _const_eval(node)
+                m = self.value(node, _const_eval(node))
                 m = -m if node in self.negated else m
                 visible = m == 0
                 masked = m <= _ADDITIVE_MASKED
@@ -502,10 +554,10 @@ class _Masks:
         for node in self.additive:
             candidates.append((node, node, False))
             # transformers' where(keep, 0, finfo.min) with a runtime padding factor: its constant factors
-            if node not in self.negated and op_name(node) == "where" and len(node.args) == 3 \
-                    and _dtype(node.args[0]) == torch.bool:
-                cond, a, b = node.args
-                a, b = _const_scalar(a), _const_scalar(b)
+            where = _where_operands(node)
+            if node not in self.negated and where is not None and _dtype(where[0]) == torch.bool:
+                cond, a, b = where
+                a, b = (None if c is None else float(self.value(node, c)) for c in map(_const_scalar, (a, b)))
                 if a == 0 and b is not None and b <= _ADDITIVE_MASKED:
                     candidates += [(node, factor, True) for factor in _keep_factors(cond)]
                 elif b == 0 and a is not None and a <= _ADDITIVE_MASKED:
@@ -524,6 +576,7 @@ class _Masks:
             except Exception:  # noqa: BLE001 - a runtime mask or factor
                 continue
             if part is node and node in self.additive:
+                value = self.value(node, value)
                 value = -value if node in self.negated else value
                 visible = ~(value <= _ADDITIVE_MASKED)  # NaN counts as visible: not a mask this proves
             else:
@@ -601,10 +654,15 @@ class _Masks:
             )
         add_node = None
         for node in self.additive:
-            if node in self.negated:
+            dtype = self.casts.get(node)
+            if node in self.negated:  # converted first: -m of an int64 minimum wraps around
+                if dtype is not None:
+                    node = insert_call(graph, torch.Tensor.to, (node, dtype), like=like)
                 node = insert_call(graph, torch.neg, (node,), like=like)
             else:
                 node = _narrow_additive(graph, node, sq, sk, like)
+                if dtype is not None:
+                    node = insert_call(graph, torch.Tensor.to, (node, dtype), like=like)
             add_node = (
                 node if add_node is None else insert_call(graph, torch.add, (add_node, node), like=like)
             )
@@ -702,13 +760,13 @@ def _additive_parts(node, depth: int = 8) -> list:
         return []
     parts = [node]
     name = op_name(node)
-    if name == "add" and len(node.args) == 2 and not node.kwargs:
-        parts += [p for a in node.args for p in _additive_parts(a, depth - 1)]
+    if name == "add" and _plain_binary(node):
+        parts += [p for a in _operands(node) for p in _additive_parts(a, depth - 1)]
     elif name in ("expand", "expand_as", "contiguous", "to", "float", "type_as") and isinstance(node.args[0],
                                                                                                 Node):
         parts += _additive_parts(node.args[0], depth - 1)
-    elif name == "where" and len(node.args) == 3 and _dtype(node.args[0]) == torch.bool:
-        cond, a, b = node.args
+    elif _where_operands(node) is not None and _dtype(_where_operands(node)[0]) == torch.bool:
+        cond, a, b = _where_operands(node)
         if _const_scalar(a) == 0:
             parts += _keep_factors(cond)
         elif _const_scalar(b) == 0:
@@ -748,9 +806,10 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
     """where(keep, 0, fill) with keep = (all-visible constant) & padding ... -> where(padding, 0, fill): the
     same values after broadcasting, one row per batch. A causal constant factor stays (an additive fill
     and the causal band differ on rows with no visible key)."""
-    if op_name(node) != "where" or len(node.args) != 3 or not isinstance(node.args[0], Node):
+    where = _where_operands(node)
+    if where is None or not isinstance(where[0], Node):
         return node
-    cond = node.args[0]
+    cond = where[0]
     if _dtype(cond) != torch.bool:
         return node
     runtime, causal = _split_keep(cond, sq, sk)
@@ -759,7 +818,7 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
     keep = runtime[0]
     for k in runtime[1:]:
         keep = insert_call(graph, torch.logical_and, (keep, k), like=like)
-    return insert_call(graph, torch.where, (keep, node.args[1], node.args[2]), like=like)
+    return insert_call(graph, torch.where, (keep, where[1], where[2]), like=like)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -780,7 +839,8 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
         # an augmented assignment left in place (on a view) is reported by the walk, not ignored
         return _reaches_matmul(node.args[0], depth - 1, seen)
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
-        return any(_reaches_matmul(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
+        # operands by position or keyword (torch.mul(s, other=c))
+        return any(_reaches_matmul(a, depth - 1, seen) for a in node.all_input_nodes)
     return False
 
 
@@ -811,13 +871,13 @@ def _zero_or_masked(node, factor: float, depth: int = 12) -> bool:
     name = op_name(node)
     if node.op == "call_function" and node.target is operator.getitem:
         name = "getitem"
-    if name == "where" and len(node.args) == 3:
-        return all(_zero_or_masked(a, factor, depth - 1) for a in node.args[1:])
+    if _where_operands(node) is not None:
+        return all(_zero_or_masked(a, factor, depth - 1) for a in _where_operands(node)[1:])
     if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and not node.kwargs:
         return _zero_or_masked(node.args[0], factor, depth - 1) and _zero_or_masked(
             node.args[2], factor, depth - 1)
-    if name == "add" and len(node.args) == 2 and not node.kwargs:
-        return all(_zero_or_masked(a, factor, depth - 1) for a in node.args)
+    if name == "add" and _plain_binary(node):
+        return all(_zero_or_masked(a, factor, depth - 1) for a in _operands(node))
     if (name in _MASK_PASSTHROUGH and isinstance(node.args[0], Node) and tensor_meta(node.args[0]) is not None
             # a view to another dtype reinterprets the bits: not the values of its argument
             and (name != "view" or _dtype(node.args[0]) == meta.dtype)):
@@ -843,7 +903,7 @@ def _softcapped(node, depth: int = 16, seen: set | None = None) -> bool:
             _reaches_matmul(node.args[0]) or _softcapped(node.args[0], depth - 1, seen)
         )
     if name in _RESHAPES + _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "where", "sub"):
-        return any(_softcapped(a, depth - 1, seen) for a in node.args if isinstance(a, Node))
+        return any(_softcapped(a, depth - 1, seen) for a in node.all_input_nodes)
     return False
 
 
@@ -859,8 +919,9 @@ def _scalar_factor(node):
 
 
 def _plain_binary(node: Node) -> bool:
-    """Two operands and no keyword changing the op: `torch.div(s, 8, rounding_mode="floor")` rounds."""
-    return len(node.args) == 2 and all(value is None for value in node.kwargs.values())
+    """Two operands (by position or keyword, _operands) and no keyword changing the op:
+    `torch.div(s, 8, rounding_mode="floor")` rounds, `torch.sub(s, 1, alpha=1e9)` scales the operand."""
+    return _operands(node) is not None and all(value is None for value in _extra_kwargs(node).values())
 
 
 def _scale_operand(node: Node):
@@ -871,7 +932,7 @@ def _scale_operand(node: Node):
     name = op_name(node)
     if name not in ("mul", "div") or not _plain_binary(node):
         return None
-    a, b = node.args
+    a, b = _operands(node)
     if name == "div":
         c = _scalar_factor(b)
         if c is None or not isinstance(a, Node) or tensor_meta(a) is None:
@@ -898,22 +959,46 @@ def _strip_scales(cand, node: Node, consumer: Node) -> Node:
     return node
 
 
+def _movedim_perm(node: Node, ndim: int) -> list[int]:
+    """The permute that ``x.movedim(source, destination)`` (torch.movedim, moveaxis; ints or sequences)
+    performs: each source dim goes to its destination, the others keep their order in the places left.
+    ``k.movedim(-1, -2)``, ``k.movedim(3, 2)`` and ``k.movedim(2, 3)`` all swap the last two dims."""
+    src, dst = arg(node, 1, "source"), arg(node, 2, "destination")
+    src, dst = ([d] if isinstance(d, int) else list(d) if isinstance(d, (list, tuple)) else None
+                for d in (src, dst))
+    if src is None or dst is None or len(src) != len(dst) \
+            or not all(isinstance(d, int) and -ndim <= d < ndim for d in src + dst):
+        raise _Skip(f"'{node.name}' moves dims {src} to {dst}: not dims of the {ndim}-d k")
+    src, dst = [norm_dim(d, ndim) for d in src], [norm_dim(d, ndim) for d in dst]
+    if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise _Skip(f"'{node.name}' moves repeated dims")
+    perm: list[int | None] = [None] * ndim
+    for s, d in zip(src, dst, strict=True):
+        perm[d] = s
+    rest = iter(d for d in range(ndim) if d not in src)
+    return [next(rest) if p is None else p for p in perm]
+
+
 def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
-    """(k, k_perm) when kt is kᵀ: k with its last two dims swapped (transpose, permute, .mT), k_perm None;
-    or kᵀ in one permute of a tensor in another layout, k_perm the permute that lays that tensor out as
-    (batch..., S, D). Else raise."""
+    """(k, k_perm) when kt is kᵀ: k with its last two dims swapped (transpose, swapaxes / swapdims, permute,
+    movedim / moveaxis, .mT, adjoint), k_perm None; or kᵀ in one permute (or movedim) of a tensor in another
+    layout, k_perm the permute that lays that tensor out as (batch..., S, D). Else raise."""
     name = op_name(kt)
-    if name == "transpose" or (name == "swapaxes" or name == "swapdims"):
-        dims = sorted(norm_dim(d, ndim) for d in (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")))
-        if dims == [ndim - 2, ndim - 1]:
+    if name in ("transpose", "swapaxes", "swapdims"):
+        # swapaxes names its dims axis0 / axis1 (k.swapaxes(axis0=-1, axis1=-2): a TypeError before, s28)
+        keys = ("axis0", "axis1") if name == "swapaxes" else ("dim0", "dim1")
+        dims = [norm_dim(arg(kt, i + 1, key), ndim) for i, key in enumerate(keys)]
+        if None not in dims and sorted(dims) == [ndim - 2, ndim - 1]:
             return kt.args[0], None
         raise _Skip(f"k is transposed over dims {dims}, not its last two")
     reverse = kt.op == "call_function" and kt.target is getattr and kt.args[1] == "T"
-    if name == "permute" or reverse:
+    if name in ("permute", "movedim", "moveaxis") or reverse:
         # x.T reverses every dim (deprecated beyond 2-d, where it is not a swap of the last two): the
         # permute (ndim-1, ..., 0)
         if reverse:
             perm = list(range(ndim))[::-1]
+        elif name != "permute":
+            perm = _movedim_perm(kt, ndim)
         else:
             perm = kt.args[1:] if len(kt.args) > 1 else kt.kwargs.get("dims", ())
         if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
@@ -932,6 +1017,8 @@ def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
     if kt.op == "call_function" and kt.target is getattr and kt.args[1] in ("mT", "mH"):
         return kt.args[0], None
     if kt.op == "call_method" and kt.target in ("t",):
+        return kt.args[0], None
+    if name == "adjoint":  # kᵀ conjugated: the same for the real dtypes the op takes (complex is refused)
         return kt.args[0], None
     raise _Skip(f"the right operand of q·kᵀ ({name or kt.target}) is not a transpose of k's last two dims")
 
@@ -1159,9 +1246,9 @@ def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
     another dim, another tensor) is another function: reported."""
     if not _plain_binary(div):
         raise _Skip(f"'{div.name}' divides with {dict(div.kwargs)}")
-    num, den = div.args
+    num, den = _operands(div)
     shape = _shape(num)
-    if op_name(num) != "exp" or not isinstance(num.args[0], Node) or shape is None:
+    if op_name(num) != "exp" or not isinstance(arg(num, 0, "input"), Node) or shape is None:
         raise _Skip(f"'{div.name}' does not divide exp of a tensor")
     if not isinstance(den, Node) or op_name(den) != "sum" or not isinstance(den.args[0], Node):
         raise _Skip(f"'{div.name}' divides exp(..) by '{getattr(den, 'name', den)}', not by its sum over the "
@@ -1174,9 +1261,9 @@ def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
     if not _same_value(num, den.args[0], nodes):
         raise _Skip(f"the denominator '{den.name}' sums '{den.args[0].name}', not the numerator "
                     f"'{num.name}' (nor the same expression)")
-    shifted = num.args[0]
+    shifted = arg(num, 0, "input")
     if op_name(shifted) == "sub" and _plain_binary(shifted):
-        x, shift = shifted.args
+        x, shift = _operands(shifted)
         row_max = _row_max_nodes(shift, x) if isinstance(x, Node) else None
         if row_max is None:
             what = getattr(shift, "name", shift)
@@ -1203,8 +1290,9 @@ def _row_scale_operand(node: Node) -> tuple[Node, str, Node]:
     key dim: a 0-d temperature, a learned per-head scale (H, 1, 1) (Swin V2's logit_scale), a per-query
     one. Then scores·t = (q·t)·kᵀ exactly, so t moves onto q (the rewrite checks that it fits q). Else
     raise: a factor that varies along the keys, or one that is not a tensor."""
-    pairs = [node.args] if op_name(node) == "div" else [node.args, node.args[::-1]]
-    for scores, t in pairs if _plain_binary(node) else []:
+    operands = _operands(node) if _plain_binary(node) else None
+    pairs = [] if operands is None else [operands] if op_name(node) == "div" else [operands, operands[::-1]]
+    for scores, t in pairs:
         shape = _shape(t)
         if (
             isinstance(scores, Node)
@@ -1230,6 +1318,23 @@ def _check_finite_shift(node: Node, number):
     if isinstance(number, complex) or not math.isfinite(number) or abs(number) >= -_MASKED_VALUE:
         raise _Skip(f"'{node.name}' shifts every score by {number}: not a small finite constant, so not a "
                     "shift that leaves softmax unchanged")
+
+
+def _promoted_mask(cand: _Candidate, step: Node, scores: Node, mask: Node):
+    """Record the conversion of an integer or bool mask added to (or subtracted from) float scores.
+
+    Type promotion makes ``s + m`` a tensor of the scores' dtype (a float beats any integer, whatever the
+    dims), and TensorIterator converts m's elements to that dtype before it adds: s + m.to(s.dtype), bit
+    for bit, so the op takes m.to(s.dtype). Any other mix (a float mask of another dtype is the caller's
+    as before; a complex one, or float scores that would not be the result dtype) is not converted here."""
+    meta = tensor_meta(mask)
+    if meta is None or meta.dtype.is_floating_point:
+        return  # not a tensor (Masks.check says so), or a float mask (taken as it is)
+    result, source = _dtype(step), _dtype(scores)
+    if meta.dtype.is_complex or result is None or not result.is_floating_point or result != source:
+        raise _Skip(f"'{step.name}' combines {source} scores with a {meta.dtype} mask into {result}: not a "
+                    "promotion of the mask to the scores' dtype")
+    cand.masks.casts[mask] = result
 
 
 def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
@@ -1291,13 +1396,13 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             cand.fold(scaled[1])
             consumer, x = x, scaled[0]
             continue
-        if name == "add" and len(x.args) == 2:
-            a, b = x.args
+        if name == "add" and _operands(x) is not None:
+            a, b = _operands(x)
             ra, rb = _reaches_matmul(a), _reaches_matmul(b)
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the mask in '{x.name}'")
             alpha = x.kwargs.get("alpha", 1)
-            if alpha != 1 or x.kwargs.keys() - {"alpha"}:
+            if alpha != 1 or _extra_kwargs(x).keys() - {"alpha"}:
                 # torch.add(a, b, alpha=c) is a + c·b: the mask scaled (s + m·c), or the scores (m + s·c)
                 raise _Skip(f"'{x.name}' adds with alpha={alpha}: the mask or the scores would be scaled")
             scores, mask = (a, b) if ra else (b, a)
@@ -1307,19 +1412,25 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             else:
                 if mask in cand.masks.negated:  # masks are kept by node: s + m - m would give s - 2m
                     raise _Skip(f"'{mask.name}' is both added to and subtracted from the scores")
+                _promoted_mask(cand, x, scores, mask)
                 steps.append(("add", mask))
                 cand.masks.additive.append(mask)
                 cand.masks.stages[mask] = _shape(scores)  # the scores' shape, not the (maybe broadcast) sum
             consumer, x = x, scores
             continue
-        if name == "sub" and len(x.args) == 2 and isinstance(x.args[0], Node):
-            scores, shift = x.args
+        if name == "sub" and _operands(x) is not None and isinstance(_operands(x)[0], Node):
+            scores, shift = _operands(x)
+            extra = {key: value for key, value in _extra_kwargs(x).items()
+                     if value is not None and not (key == "alpha" and value == 1)}
+            if extra:
+                # torch.sub(s, c, alpha=a) is s - a·c: a shift of 1 by alpha=1e9 rounds the scores away
+                # (rewritten before, review s28), and a·m is not the mask m
+                raise _Skip(f"'{x.name}' subtracts with {extra}: the subtrahend would be scaled")
             row_max = _row_max_of(shift, scores, x)
             if (
                 row_max is None
                 and isinstance(shift, Node)
                 and tensor_meta(shift) is not None
-                and _plain_binary(x)
                 and _reaches_matmul(scores)
                 and not _reaches_matmul(shift)
                 and set(scores.users) == {x}  # a shift computed from the scores (s.amin(-2)) is no mask
@@ -1327,6 +1438,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 # s - m is s + (-m), exactly: an additive mask the op takes negated (XLNet's s - 1e30·m)
                 if any(n is shift for n in cand.masks.additive):
                     raise _Skip(f"'{shift.name}' is both added to and subtracted from the scores")
+                _promoted_mask(cand, x, scores, shift)
                 steps.append(("sub", shift))
                 cand.masks.additive.append(shift)
                 cand.masks.negated.add(shift)
@@ -1346,7 +1458,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             consumer, x = x, scores
             continue
         if name in ("masked_fill", "masked_fill_"):
-            cond, fill = arg(x, 1, "mask"), arg(x, 2, "value")
+            cond, fill, scores = arg(x, 1, "mask"), arg(x, 2, "value"), arg(x, 0, "input")
             value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
@@ -1357,11 +1469,12 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             fills[len(steps)] = value
             steps.append(("keep", cond))
             cand.masks.keeps.append((cond, True))
-            cand.masks.stages[cond] = _shape(x.args[0])
-            consumer, x = x, x.args[0]
+            cand.masks.stages[cond] = _shape(scores)
+            consumer, x = x, scores
             continue
-        if name == "where" and len(x.args) == 3:
-            cond, a, b = x.args
+        if _where_operands(x) is not None:
+            # torch.where(cond, s, fill), or s.where(cond, fill): the same, self the kept value
+            cond, a, b = _where_operands(x)
             ra, rb = _reaches_matmul(a), _reaches_matmul(b)
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the fill value in '{x.name}'")
@@ -1823,6 +1936,7 @@ class _Layout:
         masks.keeps = [(remapped.get(n, n), negate) for n, negate in masks.keeps]
         masks.additive = [remapped.get(n, n) for n in masks.additive]
         masks.negated = {remapped.get(n, n) for n in masks.negated}
+        masks.casts = {remapped.get(n, n): dtype for n, dtype in masks.casts.items()}
         self.cand.chain.extend(remapped.values())  # erased with the rest when the op does not use them
         return q_in, k_in, v_in
 
@@ -1837,13 +1951,29 @@ class _Layout:
         return out
 
 
+def _log_softmax_of(exp: Node) -> Node | None:
+    """The log_softmax node when exp is ``exp(log_softmax(s, dim, dtype))`` (torch.exp, .exp(), of
+    torch.log_softmax, F.log_softmax, .log_softmax or torch.special.log_softmax), else None.
+
+    That is softmax(s, dim, dtype): the same dim, and dtype (a cast of s before the reduction) means what
+    it means for softmax. Eager computes it in two steps (s - max - log(sum(exp(s - max))), then exp), each
+    row the same values up to rounding, NaN on the same rows (every score -inf, or one +inf or NaN)."""
+    if op_name(exp) != "exp" or set(exp.kwargs) - {"input"}:  # torch.exp(.., out=buf) writes elsewhere
+        return None
+    log_softmax = arg(exp, 0, "input")
+    return log_softmax if op_name(log_softmax) == "log_softmax" else None
+
+
 def _rewrite_softmax(graph: Graph, softmax: Node):
-    """softmax: an F.softmax / torch.softmax / .softmax call, or the division ending a softmax written out
-    (``exp(..) / ..``, see _written_out_softmax), which then stands for the softmax node throughout."""
+    """softmax: an F.softmax / torch.softmax / .softmax call, the division ending a softmax written out
+    (``exp(..) / ..``, see _written_out_softmax), or exp of a log_softmax (_log_softmax_of), which then
+    stands for the softmax node throughout."""
     written_out = op_name(softmax) == "div"
+    log_softmax = None if written_out else _log_softmax_of(softmax)
+    reduction = softmax if log_softmax is None else log_softmax  # the node that names dim and dtype
     # the scores exp or softmax takes; F.softmax(input=s, dim=-1) names them (an IndexError before; review
     # s27, forms)
-    x = softmax.args[0].args[0] if written_out else arg(softmax, 0, "input")
+    x = arg(_operands(softmax)[0], 0, "input") if written_out else arg(reduction, 0, "input")
     if not isinstance(x, Node) or tensor_meta(x) is None:
         return
     cand = _Candidate()
@@ -1862,12 +1992,22 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         cand.chain.extend(softmax_nodes)
     else:
         ndim = len(_shape(x))
-        dim = arg(softmax, 1, "dim")
-        is_f_softmax = softmax.op == "call_function" and softmax.target is torch.nn.functional.softmax
-        dtype_pos = 3 if is_f_softmax else 2
-        sm_dtype = arg(softmax, dtype_pos, "dtype")
+        dim = arg(reduction, 1, "dim")
+        # F.softmax / F.log_softmax(input, dim, _stacklevel, dtype); the others (input, dim, dtype)
+        is_functional = reduction.op == "call_function" and reduction.target in (
+            torch.nn.functional.softmax, torch.nn.functional.log_softmax)
+        dtype_pos = 3 if is_functional else 2
+        sm_dtype = arg(reduction, dtype_pos, "dtype")
+        what = "softmax" if log_softmax is None else "log_softmax"
         if dim is None or norm_dim(dim, ndim) != ndim - 1:
-            raise _Skip(f"softmax over dim {dim} of the {ndim}-d scores, not the last (key) dim")
+            raise _Skip(f"{what} over dim {dim} of the {ndim}-d scores, not the last (key) dim")
+        if log_softmax is not None:
+            others = [u.name for u in log_softmax.users if u is not softmax]
+            if others:
+                raise _Skip(f"the log-probabilities '{log_softmax.name}' have other users "
+                            f"({', '.join(others)})")
+            softmax_nodes = [log_softmax]  # reads the scores, as the softmax would
+            cand.chain.append(log_softmax)
     mm = _scores_side(cand, softmax, x, softmax_nodes)
     _qk(cand, mm)
     cand.masks.check(_shape(mm))  # first: a mask that enlarges the scores explains what follows
@@ -2006,7 +2146,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
                        "gives 0, where eager gives an average of v")
     if cand.inf_fill and mask is not None:
         details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
-    pattern = f"{'exp/sum softmax' if written_out else 'softmax'}({cand.variant})"
+    kind = "exp/sum softmax" if written_out else "log_softmax.exp" if log_softmax is not None else "softmax"
+    pattern = f"{kind}({cand.variant})"
     record_rewrite(FAMILY, pattern, f"flash_attention({', '.join(details)})", softmax)
 
 
@@ -2321,13 +2462,17 @@ def rewrite(graph: torch.fx.Graph) -> None:
         if node.op == "call_function" and node.target is torch.special.softmax:  # (input, dim, *, dtype)
             name = "softmax"
         # a division of exp(..): maybe softmax written out by hand (exp / its sum), the same candidate
-        written_out = name == "div" and len(node.args) == 2 and op_name(node.args[0]) == "exp"
-        if name not in ("softmax", "sdpa", "multi_head_attention_forward") and not written_out:
+        written_out = name == "div" and _operands(node) is not None and op_name(_operands(node)[0]) == "exp"
+        if name == "exp" and _log_softmax_of(node) is not None:
+            name = "log_softmax.exp"  # softmax spelled exp(log_softmax(..)), the same candidate
+        if not written_out and name not in ("softmax", "sdpa", "multi_head_attention_forward",
+                                            "log_softmax.exp"):
             continue
         variant = {"sdpa": "scaled_dot_product_attention", "softmax": "softmax attention",
                    "multi_head_attention_forward": "nn.MultiheadAttention",
-                   "div": "softmax attention (softmax written out, exp / sum)"}[name]
-        name = "softmax" if written_out else name
+                   "div": "softmax attention (softmax written out, exp / sum)",
+                   "log_softmax.exp": "softmax attention (softmax as log_softmax(..).exp())"}[name]
+        name = "softmax" if written_out or name == "log_softmax.exp" else name
         try:
             if name == "sdpa":
                 _rewrite_sdpa(graph, node)

@@ -183,6 +183,12 @@ def _view_taken_before_the_write(q, k, v):
     return torch.softmax(_s(q, k) * SCALE + early, -1) @ v
 
 
+def _int_additive(q, k, v, m):
+    """An int64 additive mask (the tokenizer's dtype, no cast): eager promotes it to the scores' dtype, and
+    the rewrite passes the op that conversion (a near miss until session 28)."""
+    return torch.softmax(_s(q, k) * SCALE + (1 - m[:, None, None, :]) * -10000, -1) @ v
+
+
 SAME = {
     # name: (fn, extra inputs, text in the rewrite's details)
     "hf_extended_none_none_finfo_min": (_hf_extended_none_none, lambda: (_pad(),), "mask [2, 1, 1, 7]"),
@@ -198,6 +204,8 @@ SAME = {
     "causal_plus_padding_one_mask": (_causal_plus_padding_one_mask, lambda: (_pad(),), "mask [2, 1, 7, 7]"),
     "mask_from_recomputed_scores": (_mask_from_recomputed_scores, lambda: (), "mask [2, 3, 7, 7]"),
     "learned_bias_hss": (_learned_bias, lambda: (torch.randn(H, S, S),), "mask [3, 7, 7]"),
+    # rewritten since session 28 (the mask converted to the scores' dtype, as eager's promotion does)
+    "int_additive_mask": (_int_additive, lambda: (_pad(),), "mask [2, 1, 1, 7]"),
     "learned_bias_per_key": (_learned_bias, lambda: (torch.randn(S),), "mask [7]"),
     "learned_bias_b1ss": (_learned_bias, lambda: (torch.randn(B, 1, S, S),), "mask [2, 1, 7, 7]"),
     "bias_from_q_and_k": (_bias_from_q_and_k, lambda: (), "mask [2, 3, 7, 7]"),
@@ -244,11 +252,6 @@ def _multiplied_key_mask(q, k, v, m):
     return torch.softmax(_s(q, k) * SCALE * mm + (1.0 - mm) * -1e9, -1) @ v
 
 
-def _int_additive(q, k, v, m):
-    """An int64 additive mask (the tokenizer's dtype, no cast): near miss (the op takes float masks)."""
-    return torch.softmax(_s(q, k) * SCALE + (1 - m[:, None, None, :]) * -10000, -1) @ v
-
-
 def _renormalised_after_softmax(q, k, v, m):
     p = torch.softmax(_s(q, k) * SCALE, -1) * m[:, None, None, :]
     return (p / p.sum(-1, keepdim=True)) @ v
@@ -264,7 +267,6 @@ OTHER = {
     "mask_before_scale_1e4": (_mask_before_scale_1e4, lambda: (_pad(),), 1, "scaled after an additive mask"),
     "bias_before_scale": (_bias_before_scale, lambda: (torch.randn(H, S, S),), 1, "scaled after an additive"),
     "multiplied_key_mask": (_multiplied_key_mask, lambda: (_pad(),), 1, "scores are scaled by"),
-    "int_additive_mask": (_int_additive, lambda: (_pad(),), 1, "additive mask has dtype torch.int64"),
     "renormalised_after_softmax": (_renormalised_after_softmax, lambda: (_pad().float(),), 1,
                                    "not to a matmul with v"),
     "mask_from_the_scores": (_mask_from_the_scores, lambda: (), 1, "other users"),
