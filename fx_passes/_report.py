@@ -67,7 +67,7 @@ class Decision:
         return f"[{self.family}] left alone {self.variant}: {self.detail}  ({self.location})"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: collecting() removes its own report from nested ones
 class Report:
     decisions: list[Decision] = field(default_factory=list)
 

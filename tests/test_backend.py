@@ -154,6 +154,17 @@ def test_explain_reports_and_logs(caplog):
     assert sum(counters["flash"].values()) == len(report.decisions) == 0
 
 
+def test_nested_collecting_reports_each_their_own():
+    # Report was a dataclass compared by value: leaving an inner collecting() removed the first *equal*
+    # report, the outer one (both empty), and leaving the outer then raised ValueError (review s28)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))  # one norm rewrite a compile
+    with fx_passes.collecting() as outer:
+        with fx_passes.collecting() as inner:
+            flash_backend.explain(model, torch.randn(2, 16), print_report=False)
+        flash_backend.explain(model, torch.randn(2, 16), print_report=False)
+    assert len(inner.decisions) == 1 and len(outer.decisions) == 2
+
+
 def test_a_restarted_compile_is_counted_once():
     # dynamic=True with a dropout no norm takes: Inductor specialises its p and restarts dynamo's analysis
     # after the passes ran, so they run twice; only the compile that completes is counted.
