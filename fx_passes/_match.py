@@ -93,11 +93,37 @@ def operands(node: torch.fx.Node) -> tuple:
     return tuple(node.args)
 
 
-def binary_operands(node: object, name: str) -> tuple | None:
-    """(lhs, rhs) of a plain binary op named name (no alpha, no out), else None."""
-    if not is_op(node, name) or len(node.args) != 2 or node.kwargs:
+# The keywords naming the operands of add / sub / mul / div: torch.mul(input=s, other=c); a method's self is
+# always its first positional argument (s.mul(other=c)). operator.* takes positional operands only.
+_OPERAND_KEYWORDS = ("input", "other")
+
+
+def binary_operand_pair(node: object) -> tuple | None:
+    """(a, b) of a binary arithmetic node (add, sub, mul, div), by position or keyword: ``torch.mul(s,
+    other=c)``, ``s.mul(other=c)`` and ``torch.div(input=s, other=c)`` are ``s * c`` and ``s / c``. None when
+    there are not exactly two (any other keyword, alpha or rounding_mode, is the caller's to read:
+    binary_extra_kwargs)."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") \
+            or len(node.args) > 2:
         return None
-    return node.args
+    if node.op == "call_method" and not node.args:
+        return None
+    keywords = _OPERAND_KEYWORDS if node.op == "call_function" else ("self", "other")
+    values = list(node.args) + [node.kwargs[k] for k in keywords[len(node.args):] if k in node.kwargs]
+    return tuple(values) if len(values) == 2 else None
+
+
+def binary_extra_kwargs(node: torch.fx.Node) -> dict:
+    """A binary arithmetic node's keywords other than its operands (alpha, rounding_mode, out)."""
+    return {key: value for key, value in node.kwargs.items() if key not in _OPERAND_KEYWORDS}
+
+
+def binary_operands(node: object, name: str) -> tuple | None:
+    """(lhs, rhs) of a plain binary op named name, by position or keyword (binary_operand_pair), with no
+    other keyword (alpha, rounding_mode, out), else None."""
+    if not is_op(node, name) or binary_extra_kwargs(node):
+        return None
+    return binary_operand_pair(node)
 
 
 def binary_other(node: object, name: str, this: torch.fx.Node):

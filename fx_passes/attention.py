@@ -53,6 +53,8 @@ from fx_passes._match import (
     tensor_meta,
     val,
 )
+from fx_passes._match import binary_extra_kwargs as _extra_kwargs
+from fx_passes._match import binary_operand_pair as _operands
 from fx_passes._report import record_near_miss, record_rewrite
 
 log = logging.getLogger("flash_backend")
@@ -113,30 +115,6 @@ def _dtype(node):
 
 def _single_user(node: Node, user: Node) -> bool:
     return set(node.users) == {user}
-
-
-# The keywords naming the operands of add / sub / mul / div: torch.mul(input=s, other=c); a method's self is
-# always its first positional argument (s.mul(other=c)). operator.* takes positional operands only.
-_OPERAND_KEYWORDS = ("input", "other")
-
-
-def _operands(node) -> tuple | None:
-    """(a, b) of a binary arithmetic node (add, sub, mul, div), by position or keyword: ``torch.mul(s,
-    other=c)``, ``s.mul(other=c)`` and ``torch.div(input=s, other=c)`` are ``s * c`` and ``s / c`` (review
-    s28: scores scaled so were refused, ``torch.add(s, other=m)`` was not seen as a mask). None when there
-    are not exactly two (any other keyword, alpha or rounding_mode, is the caller's to read)."""
-    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or len(node.args) > 2:
-        return None
-    if node.op == "call_method" and not node.args:
-        return None
-    keywords = _OPERAND_KEYWORDS if node.op == "call_function" else ("self", "other")
-    values = list(node.args) + [node.kwargs[k] for k in keywords[len(node.args):] if k in node.kwargs]
-    return tuple(values) if len(values) == 2 else None
-
-
-def _extra_kwargs(node: Node) -> dict:
-    """A binary arithmetic node's keywords other than its operands (alpha, rounding_mode, out)."""
-    return {key: value for key, value in node.kwargs.items() if key not in _OPERAND_KEYWORDS}
 
 
 def _where_operands(node) -> tuple | None:

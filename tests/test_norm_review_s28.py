@@ -25,6 +25,8 @@ through backend="flash" (Inductor).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -33,7 +35,7 @@ from test_norm_dense_ce_review_s25 import _check as _check_dynamic
 from test_norm_dense_ce_review_s25 import _compile
 
 # Fn: a module around fn(module, *inputs); _check: rewrites / near misses and eager's outputs and gradients
-from test_pass_review_s26 import Fn, _check
+from test_pass_review_s26 import Fn, K, N, _check
 from torch._dynamo.utils import counters
 
 from flash_backend.ops.add_dropout_norm import add_dropout_norm
@@ -280,3 +282,36 @@ def test_weight_that_is_no_row_is_not_folded(name):
     tol = 1e-2 if torch.bfloat16 in (dtype, x_dtype) else 1e-5
     _check(model, (_x(*shape, dtype=x_dtype),), "norm", rewrites=1, atol=tol, rtol=tol)
     assert not any("weight" in v for v in _variants(model, (_x(*shape, dtype=x_dtype),)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Operands given by keyword, read by the shared matcher (fx_passes/_match.binary_operands) for every family
+# --------------------------------------------------------------------------------------------------------
+
+
+def _rms_keyword_weight(m, x):
+    hs = x.float()
+    hs = torch.mul(hs, other=torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-6))
+    return torch.mul(m.weight, other=hs.to(x.dtype))
+
+
+def _layer_norm_method_keyword(m, x):
+    c = x - x.mean(-1, keepdim=True)
+    normed = c.div(other=torch.sqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5))
+    return normed.mul(other=m.weight).add(other=m.bias)
+
+
+def _gelu_keyword(m, x):
+    h = m.lin(x)
+    return torch.mul(torch.mul(h, other=0.5), other=1.0 + torch.erf(h / math.sqrt(2.0)))
+
+
+@pytest.mark.parametrize(("fn", "family"), [(_rms_keyword_weight, "norm"),
+                                            (_layer_norm_method_keyword, "norm"),
+                                            (_gelu_keyword, "dense")],
+                         ids=["rms_torch_mul_other", "layer_norm_method_other", "gelu_torch_mul_other"])
+def test_keyword_operands_are_read_by_every_family(fn, family):
+    """torch.mul(a, other=b), a.mul(other=b) and the like are a * b: binary_operands read only positional
+    operands until session 28, so these norms and this GELU were not seen at all (no rewrite, no report)."""
+    x = torch.randn(5, K) if family == "dense" else torch.randn(5, N)
+    _check(Fn(fn), (x,), family, rewrites=1)
