@@ -297,7 +297,8 @@ if GLUON_AVAILABLE:
         tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, first_key, 0], k_tiles.index(WG))
         tma.store_wait(0)
 
-    @gluon.jit
+    # rows_per_group not specialised: see attention_fwd_hopper's kernel
+    @gluon.jit(do_not_specialize=["rows_per_group"])
     def _attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
                                      BIAS, KEY_RANGE, seq_q, num_heads, group, qk_scale, scale, bias_len,
                                      mask_row_b, mask_row_h, rows_per_group, STAGES: gl.constexpr,

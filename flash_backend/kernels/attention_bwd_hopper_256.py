@@ -202,7 +202,8 @@ if GLUON_AVAILABLE:
                                                                                                  dim=3))
         tma.store_wait(0)
 
-    @gluon.jit
+    # rows_per_group not specialised: see attention_fwd_hopper's kernel
+    @gluon.jit(do_not_specialize=["rows_per_group"])
     def _attention_bwd_hopper_256_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
                                          DELTA, seq_q, num_heads, group, qk_scale, scale, rows_per_group,
                                          Q_STAGES: gl.constexpr, DO_STAGES: gl.constexpr,

@@ -369,7 +369,9 @@ if GLUON_AVAILABLE:
         gl.store(LSE + lse_offsets, lse, mask=rows < seq_q)
         tma.store_wait(0)
 
-    @gluon.jit
+    # rows_per_group is not specialised (Triton would compile one variant for 1, one for multiples of 16
+    # and one for the rest): its value follows the shape, and a Gluon compile takes seconds
+    @gluon.jit(do_not_specialize=["rows_per_group"])
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, PURE, seq_q,
                                      seq_k, num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
                                      rows_per_group, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
