@@ -36,9 +36,10 @@ The GELU after it:
   [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within rounding (a
   constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function; so, in fp64, is
   BLOOM's GELU with sqrt(2 / pi) written to 8 digits, a GELU in fp32 and below only), and that
-  neither divides by a value computed from h nor raises one to a negative power nor a number to a power of h:
-  such a term can hide a pole or a spike between the samples (``1e-13 / (h - 0.0045)``), so the grid proves
-  nothing there; it is reported (_unsampled_pole). Which one it is decides ``approximate``: an erf GELU never
+  neither divides by a value computed from h nor raises one to a negative or fractional power nor a number to
+  a power of h: such a term can hide a pole or a spike between the samples (``1e-13 / (h - 0.0045)``), or an
+  infinite gradient at 0 (``1e-20 * (h * h) ** 0.1``), so the grid proves nothing there; it is reported
+  (_unsampled_pole). Which one it is decides ``approximate``: an erf GELU never
   becomes a tanh one. A float the subgraph computes from dynamo's float inputs alone (dynamic=True makes
   ``math.pi`` in NewGELU's ``math.sqrt(2.0 / math.pi)``, and module float attributes, graph inputs) is read as
   its value and, when the rewrite is made, specialised: dynamo guards on it and retraces with it constant, as
@@ -56,7 +57,8 @@ operands with ``.to`` in the graph and reports the variant as "(autocast to bflo
 each cast's gradient back to the fp32 parameter, as eager's autocast does.
 
 Left alone, with the reason reported: a pre-activation (the Linear's output, or the last bias add after it)
-with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, a tensor the subgraph reads
+with users besides the GELU (it is needed elsewhere), an addmm with alpha/beta, an addmm or a GELU that also
+writes its result into an ``out=`` tensor (``torch.addmm(b, x, m, out=buf)``), a tensor the subgraph reads
 that is written in place before it ends, under autocast an fp32 bias added after the Linear
 (``x @ w.t() + b``, ``lin(x) + b2``: eager's add promotes the output, so the GELU runs in fp32), a GELU
 written out with a pole or a spike the grid cannot see, and a candidate whose fused result would differ in
@@ -355,12 +357,14 @@ def _evaluate(region: set[torch.fx.Node], h: torch.fx.Node, end: torch.fx.Node, 
 
 def _unsampled_pole(region: set[torch.fx.Node], h: torch.fx.Node, constants: dict[torch.fx.Node, float]):
     """Why the region may differ from the GELU between the points of _GRID where it equals it, else None: it
-    divides by a value computed from h, or raises one to a negative power, or raises a number to a power
-    computed from h. Such a term can hide a pole or a spike between samples: ``1e-13 / (h - 0.0045)`` adds
-    less than 1e-9 at every point of _GRID and is infinite at h = 0.0045, where a Linear's output lands
+    divides by a value computed from h, or raises one to a negative or fractional power, or raises a number to
+    a power computed from h. Such a term can hide a pole or a spike between samples: ``1e-13 / (h - 0.0045)``
+    adds less than 1e-9 at every point of _GRID and is infinite at h = 0.0045, where a Linear's output lands
     (a zero input row with that bias); ``1e20 ** (-1e10 * (h - c) ** 2)`` is 0 at every sample and 1 at c.
-    Without them the region is polynomials in h under one tanh, erf or erfc, which samples this dense pin
-    down; and no GELU spelling divides by h or puts it in an exponent."""
+    A fractional power (``1e-20 * (h * h) ** 0.1``) is below the tolerance at every sample, and its gradient
+    is infinite at 0 (eager's gradients are NaN at h = 0, a zero row through a bias-free Linear), which the
+    GELU's is not. Without them the region is polynomials in h under one tanh, erf or erfc, which samples
+    this dense pin down; and no GELU spelling divides by h, takes a root of it or puts it in an exponent."""
 
     def from_h(a):
         return a is h or a in region
@@ -373,7 +377,7 @@ def _unsampled_pole(region: set[torch.fx.Node], h: torch.fx.Node, constants: dic
             if from_h(exponent):
                 return f"{n.name} raises to a power computed from the pre-activation"
             exponent = constants.get(exponent, exponent)
-            if from_h(base) and (not is_number(exponent) or exponent < 0):
+            if from_h(base) and (not is_number(exponent) or exponent < 0 or not float(exponent).is_integer()):
                 return f"{n.name} raises a value computed from the pre-activation to the power {exponent}"
     return None
 
@@ -559,6 +563,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if up is not None:
         region = region | {up}
         variant, end, region = _through_upcast(variant, h, up, end, region)
+    into = next((n for n in (linear, *region) if "out" in n.kwargs), None)
+    if into is not None:  # torch.addmm(.., out=buf), torch._C._nn.gelu(h, out=buf): buf is written too
+        raise _Miss(f"{variant}: {into.name} also writes its result into out=, which the fused op would "
+                    "not; not fused")
     outside = [u for n in (h, *filter(None, [up])) for u in n.users if u not in region]
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
