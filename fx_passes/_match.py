@@ -118,6 +118,13 @@ def binary_extra_kwargs(node: torch.fx.Node) -> dict:
     return {key: value for key, value in node.kwargs.items() if key not in _OPERAND_KEYWORDS}
 
 
+def out_writer(nodes: Iterable) -> torch.fx.Node | None:
+    """The first of nodes that also writes its result into an ``out=`` tensor (``torch.matmul(p, v,
+    out=buf)``, ``torch.addmm(b, x, w, out=buf)``): a rewrite that fuses it away leaves buf unwritten, so
+    the caller refuses it (review s28)."""
+    return next((n for n in nodes if isinstance(n, torch.fx.Node) and n.kwargs.get("out") is not None), None)
+
+
 def binary_operands(node: object, name: str) -> tuple | None:
     """(lhs, rhs) of a plain binary op named name, by position or keyword (binary_operand_pair), with no
     other keyword (alpha, rounding_mode, out), else None."""

@@ -49,6 +49,7 @@ from fx_passes._match import (
     is_number,
     norm_dim,
     op_name,
+    out_writer,
     state_crossing,
     tensor_meta,
     val,
@@ -2071,6 +2072,10 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         )):
             raise _Skip(f"the scores' scale '{factor.name}' {list(t.shape)} ({t.dtype}) does not carry over "
                         f"to q {list(q_shape)} ({src})")
+
+    writer = out_writer([*cand.chain, softmax, pv])
+    if writer is not None:
+        raise _Skip(f"'{writer.name}' also writes its result into out=, which the fused op would not")
 
     from flash_backend.ops.attention import flash_attention
 

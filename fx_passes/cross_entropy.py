@@ -89,6 +89,7 @@ from fx_passes._match import (
     is_op,
     linear_operands,
     op_name,
+    out_writer,
     state_crossing,
     tensor_meta,
     val,
@@ -662,6 +663,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     head = {"linear": "F.linear", "addmm": "addmm(b, x, w.t())", "einsum": "einsum"}.get(op_name(linear),
                                                                                         "x @ w.t()")
     variant = " -> ".join([head, *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
+    writer = out_writer([linear, *chain, ce])
+    if writer is not None:
+        raise _Miss(f"{variant}: {writer.name} also writes its result into out=, which the fused op would "
+                    "not")
     written = written_before_end({linear, *chain, ce}, ce)
     if written is not None:
         node, writer = written

@@ -87,6 +87,7 @@ from fx_passes._match import (
     is_op,
     linear_operands,
     op_name,
+    out_writer,
     state_crossing,
     tensor_meta,
     val,
@@ -563,7 +564,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if up is not None:
         region = region | {up}
         variant, end, region = _through_upcast(variant, h, up, end, region)
-    into = next((n for n in (linear, *region) if "out" in n.kwargs), None)
+    into = out_writer((linear, *region))
     if into is not None:  # torch.addmm(.., out=buf), torch._C._nn.gelu(h, out=buf): buf is written too
         raise _Miss(f"{variant}: {into.name} also writes its result into out=, which the fused op would "
                     "not; not fused")

@@ -90,6 +90,7 @@ from fx_passes._match import (
     is_op,
     norm_dim,
     op_name,
+    out_writer,
     state_crossing,
     tensor_meta,
     val,
@@ -1075,6 +1076,9 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
     crossing = state_crossing(pattern | {end})
     if crossing:
         raise _Miss(crossing)
+    writer = out_writer(pattern)
+    if writer is not None:
+        raise _Miss(f"{writer.name} also writes its result into out=, which the fused op would not")
     _check_rounding_kept(core.tail, end)
     for what, operand in (("weight", core.weight), ("bias", core.bias)):
         # F.layer_norm(h, (N,), weight=f(h)): the op would read a value computed from its own residual output,

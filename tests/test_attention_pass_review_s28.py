@@ -56,6 +56,9 @@ from test_norm_dense_ce_review_s25 import _run
 from test_pass_review_s26 import Fn, _check
 from torch._dynamo.utils import counters
 
+from flash_backend.backend import rewrite_only_backend
+from fx_passes import collecting
+
 B, H, SQ, SK, D = 2, 3, 7, 9, 16
 SCALE = D**-0.5
 FAMILY = "attention"
@@ -435,3 +438,41 @@ def test_mha_masks_are_rewritten_once_the_graph_is_whole(dtypes):
     with warnings.catch_warnings(), torch._dynamo.config.patch(reorderable_logging_functions={warnings.warn}):
         warnings.simplefilter("ignore")
         _rewritten(model, args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A matmul of the pattern that also writes into out= (found after the review, s28)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _pv_into(q, k, v, buf):
+    torch.matmul(torch.softmax(q @ k.transpose(-2, -1) * 0.3, -1), v, out=buf)
+    return buf
+
+
+def _scores_into(q, k, v, buf):
+    torch.matmul(q, k.transpose(-2, -1), out=buf)
+    return torch.softmax(buf * 0.3, -1) @ v, buf
+
+
+@pytest.mark.parametrize(("fn", "buf_shape", "skipped"), [(_pv_into, (2, 3, 7, 8), 1),
+                                                          (_scores_into, (2, 3, 7, 9), 0)],
+                         ids=["p_v_into_out", "scores_into_out"])
+def test_matmul_writing_into_out_is_not_fused_away(fn, buf_shape, skipped):
+    """``torch.matmul(p, v, out=buf)`` returned as buf: fused, the matmul was erased and buf never written
+    (zeros returned). Now a near miss (fx_passes/_match.out_writer). Scores written into a buffer the
+    softmax then reads are not a q·kᵀ the pass sees (no candidate). Inference only: out= has no autograd."""
+    q, k, v = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
+    with torch.no_grad():
+        expected = fn(q, k, v, torch.zeros(buf_shape))
+        torch._dynamo.reset()
+        counters.clear()
+        with collecting() as report:
+            got = torch.compile(fn, backend=rewrite_only_backend)(q, k, v, torch.zeros(buf_shape))
+    assert counters["flash"]["attention"] == 0, str(report)
+    assert counters["flash"]["attention_skipped"] == skipped, str(report)
+    if skipped:
+        assert any("out=" in d.detail for d in report.near_misses), str(report)
+    for e, g in zip(expected if isinstance(expected, tuple) else (expected,),
+                    got if isinstance(got, tuple) else (got,), strict=True):
+        torch.testing.assert_close(g, e)
