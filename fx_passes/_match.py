@@ -127,8 +127,8 @@ def out_writer(nodes: Iterable) -> torch.fx.Node | None:
 
 def binary_operands(node: object, name: str) -> tuple | None:
     """(lhs, rhs) of a plain binary op named name, by position or keyword (binary_operand_pair), with no
-    other keyword (alpha, rounding_mode, out), else None."""
-    if not is_op(node, name) or binary_extra_kwargs(node):
+    other keyword set (alpha, rounding_mode, out; one given as None is its default), else None."""
+    if not is_op(node, name) or any(v is not None for v in binary_extra_kwargs(node).values()):
         return None
     return binary_operand_pair(node)
 

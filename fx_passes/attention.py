@@ -42,6 +42,7 @@ from fx_passes._functionalize import IN_PLACE_OPERATORS, functionalize_in_place
 from fx_passes._match import (
     _is_alias_of_arg0,
     arg,
+    binary_operands,
     bound_arguments,
     in_place_writers,
     insert_call,
@@ -898,9 +899,9 @@ def _scalar_factor(node):
 
 
 def _plain_binary(node: Node) -> bool:
-    """Two operands (by position or keyword, _operands) and no keyword changing the op:
+    """Two operands (by position or keyword: _match.binary_operands) and no keyword changing the op:
     `torch.div(s, 8, rounding_mode="floor")` rounds, `torch.sub(s, 1, alpha=1e9)` scales the operand."""
-    return _operands(node) is not None and all(value is None for value in _extra_kwargs(node).values())
+    return binary_operands(node, op_name(node)) is not None
 
 
 def _scale_operand(node: Node):

@@ -236,13 +236,16 @@ def _linear_operands(node: object) -> tuple | None:
     return x, weight, None, transposed
 
 
+def _class_bias_shape(b: torch.Tensor, logits: torch.Tensor) -> bool:
+    """b is shaped (V,) or (1, .., 1, V), with no more dimensions than the logits: added to every row."""
+    return 1 <= b.dim() <= logits.dim() and all(statically_known_true(n == 1) for n in b.shape[:-1]) and \
+        statically_known_true(b.shape[-1] == logits.shape[-1])
+
+
 def _is_class_bias(bias: object, logits: object) -> bool:
-    """bias is shaped (V,) or (1, .., 1, V), no more dimensions than the logits, in the logits' dtype: added
-    to every row, it is the bias of an F.linear."""
+    """bias is a class bias (_class_bias_shape) in the logits' dtype: the bias of an F.linear."""
     b, out = tensor_meta(bias), tensor_meta(logits)
-    return b is not None and out is not None and 1 <= b.dim() <= out.dim() and b.dtype == out.dtype and \
-        all(statically_known_true(n == 1) for n in b.shape[:-1]) and \
-        statically_known_true(b.shape[-1] == out.shape[-1])
+    return b is not None and out is not None and b.dtype == out.dtype and _class_bias_shape(b, out)
 
 
 def _addmm_linear(node: torch.fx.Node) -> tuple | None:
@@ -311,10 +314,7 @@ def _added_bias(add: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
         return None
     linear, bias = linears[0]
     out, logits, b = tensor_meta(add), tensor_meta(linear), tensor_meta(bias)
-    if out is None or logits is None or b is None or b.dim() < 1:
-        return None
-    ones = all(statically_known_true(n == 1) for n in b.shape[:-1])
-    if not ones or b.dim() > logits.dim() or not statically_known_true(b.shape[-1] == logits.shape[-1]):
+    if out is None or logits is None or b is None or not _class_bias_shape(b, logits):
         return None  # not a class bias: left to the chain walk's own reason
     if _linear_operands(linear)[2] is not None:
         raise _Miss(f"the logits add a second bias ({bias.name}) to a Linear that has one")

@@ -393,7 +393,7 @@ def test_causal_group_ctas(monkeypatch):
     otherwise, on the CPU (the interpreter) and for a swapped grid (bh_grid)."""
     from flash_backend.kernels import attention_fwd
 
-    monkeypatch.setattr(attention_fwd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(attention_fwd, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert attention_fwd.causal_group_ctas(cuda, True, False) == attention_fwd.CAUSAL_GROUP_WAVES * 132
     assert attention_fwd.causal_group_ctas(cuda, False, False) == 0

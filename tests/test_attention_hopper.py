@@ -160,7 +160,7 @@ def test_causal_launch_groups_of_rows(monkeypatch):
     forward's groups 4 waves, the backward's 1 (attention_causal_order_probe_s28_h200.log)."""
     from flash_backend.kernels import attention_bwd_hopper as hopper_bwd
 
-    monkeypatch.setattr(hopper, "sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
     device = torch.device("cuda", 0)
     assert (hopper.HEAVIEST_FIRST_WAVES, hopper_bwd.HEAVIEST_FIRST_WAVES) == (4, 1)
     assert hopper.heaviest_first_rows(16, 128, False, device, 4) == 1

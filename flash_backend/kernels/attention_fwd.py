@@ -18,12 +18,11 @@ quantised p (both computed on the host), so the output stays unbiased.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from flash_backend._device import sm_count
 from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.ops._eager import absent_pointer
@@ -120,15 +119,6 @@ def _grid_ids(BH_ON_X: tl.constexpr, HEAVIEST_FIRST: tl.constexpr, GROUP_CTAS: t
     return block, pair
 
 
-@functools.cache
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 # Causal launches of the Triton kernels order their programs by groups of about this many waves (one wave:
 # a program an SM; several programs of these kernels share an SM). Kernels alone against the plain order
 # (bench/probes/attention_causal_order_probe.py part 3, bench/logs/attention_causal_order_probe_triton_s28_
@@ -141,7 +131,7 @@ def causal_group_ctas(device: torch.device, causal: bool, bh_on_x: bool) -> int:
     """GROUP_CTAS of _grid_ids: 0 (the plain order) unless a causal launch on a GPU, grid not swapped."""
     if not causal or bh_on_x or device.type != "cuda":
         return 0
-    return CAUSAL_GROUP_WAVES * sm_count(device_index(device))
+    return CAUSAL_GROUP_WAVES * sm_count(device)
 
 
 @triton.jit

@@ -34,14 +34,10 @@ import functools
 import torch
 import triton
 
+from flash_backend._device import device_index, sm_count
 from flash_backend._fast_launch import fast_kernel
 from flash_backend._host_math import cdiv
-from flash_backend.kernels.attention_fwd import (
-    device_index,
-    mask_is_query_broadcast,
-    mask_key_ranges,
-    sm_count,
-)
+from flash_backend.kernels.attention_fwd import mask_is_query_broadcast, mask_key_ranges
 
 try:  # Gluon's Hopper API (Triton >= 3.5); without it every call takes the Triton forward
     from triton.experimental import gluon
@@ -490,7 +486,7 @@ def heaviest_first_rows(blocks: int, rows: int, causal: bool, device: torch.devi
     of 5 rows measured 0.99x at head_dim 256, where 4 and 8 gained 1.04x)."""
     if not causal:
         return 1
-    group = max(1, min(rows, cdiv(waves * sm_count(device_index(device)), blocks)))
+    group = max(1, min(rows, cdiv(waves * sm_count(device), blocks)))
     return 1 << (group.bit_length() - 1)
 
 

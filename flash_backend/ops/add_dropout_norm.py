@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op
 
+from flash_backend._device import sm_count
 from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.add_dropout_norm_kernels import (
@@ -312,14 +313,9 @@ def add_dropout_norm_fwd_launch(x, residual, weight, bias, seed, eps, dropout_p,
     return out, residual_out, mean, rstd
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_programs(device: torch.device, m: int, num_warps: int, warps_per_sm: int) -> int:
     if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms = sm_count(device)
         return min(m, sms * max(1, warps_per_sm // num_warps))
     return min(m, 4)
 

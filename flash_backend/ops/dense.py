@@ -51,6 +51,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
 from flash_backend import _cpp_build
+from flash_backend._device import sm_count
 from flash_backend._host_math import cdiv, next_power_of_2
 from flash_backend._traced_launch import traced_launch
 from flash_backend.kernels.gelu_kernels import _gelu_bwd_dbias_kernel, _gelu_erf_fwd_kernel
@@ -58,7 +59,6 @@ from flash_backend.kernels.linear_gelu_kernels import _linear_gelu_fwd_kernel
 from flash_backend.kernels.partial_sums import sum_partials
 from flash_backend.ops._eager import needs_autograd, plain_launch
 from flash_backend.ops._forward_ad import refuse_forward_ad
-from flash_backend.ops.add_dropout_norm import _sm_count
 
 log = logging.getLogger("flash_backend")
 
@@ -314,8 +314,7 @@ GELU_BWD_CONFIGS = {"tanh": (16, 128, 4, 8, 2, True), "none": (8, 256, 2, 16, 3,
 
 def _row_chunks(device: torch.device, m: int, col_blocks: int, block_m: int, per_sm: int) -> int:
     """Rows per program of the backward pass: every program gets the same multiple of block_m rows."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 2
+    sms = sm_count(device) if device.type == "cuda" else 2
     chunks = max(1, per_sm * sms // col_blocks)
     return cdiv(cdiv(m, chunks), block_m) * block_m
 
