@@ -29,9 +29,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_norm_pass import _rewritten  # (compiled through the passes only, its graphs)
 from test_pass_review_s26 import Fn, N, V, _check
 
-from fx_passes import run_passes
 from fx_passes._match import is_op
 
 B, T = 3, 11  # 33 rows, V = 37 classes
@@ -125,19 +125,13 @@ def test_masked_rows_are_not_kept_for_their_count(log_softmax):
         return F.nll_loss(F.log_softmax(lg, -1)[keep], y[keep]) if log_softmax else \
             F.cross_entropy(lg[keep], y[keep])
 
-    graphs = []
-
-    def backend(gm, example_inputs):
-        run_passes(gm.graph)
-        graphs.append(gm.graph)
-        return gm.forward
-
     model = Fn(lambda m, h, y: loss(m.head(h), y))
     h, y = _seq()
+    compiled, graphs = _rewritten(model)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        got = torch.compile(model, backend=backend, fullgraph=True)(h, y)
+        got = compiled(h, y)
     torch.testing.assert_close(got, model(h, y), atol=1e-5, rtol=1e-5)
-    (graph,) = graphs
+    (graph,) = [gm.graph for gm in graphs]
     fused = [n for n in graph.nodes if n.op == "call_function" and "cross_entropy" in str(n.target)]
     logits_read = [u for u in fused[0].users if u.args[1] == 1 and u.users] if len(fused) == 1 else fused
     assert len(fused) == 1 and not logits_read, graph.python_code("")

@@ -33,13 +33,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from test_norm_dense_ce_review_s25 import _check as _check_dynamic
 from test_norm_dense_ce_review_s25 import _compile
+from test_norm_pass import _rewritten  # (compiled through the passes only, its graphs)
 
 # Fn: a module around fn(module, *inputs); _check: rewrites / near misses and eager's outputs and gradients
 from test_pass_review_s26 import Fn, K, N, _check
 from torch._dynamo.utils import counters
 
 from flash_backend.ops.add_dropout_norm import add_dropout_norm
-from fx_passes import collecting, run_passes
+from fx_passes import collecting
 from fx_passes._match import is_op
 
 H = 97  # an awkward hidden size on purpose
@@ -191,16 +192,10 @@ def test_row_weight_under_dynamic_shapes():
 
 def test_graph_reads_the_row_reshaped():
     # the graph after the pass: one fused call reading w.reshape(-1), no multiply by the weight left
-    graphs = []
-
-    def backend(gm, example_inputs):
-        run_passes(gm.graph)
-        graphs.append(gm)
-        return gm.forward
-
     model = Rows(_llama, (1, H), (H,)).eval()
     torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(_x(3, 7, H))
+    compiled, graphs = _rewritten(model)
+    compiled(_x(3, 7, H))
     nodes = list(graphs[0].graph.nodes)
     fused = [n for n in nodes if getattr(n.target, "__name__", "") == "add_dropout_norm"]
     assert len(fused) == 1
