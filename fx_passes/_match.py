@@ -41,8 +41,9 @@ _FUNCTIONS: dict[object, str] = {
     F.gelu: "gelu", torch._C._nn.gelu: "gelu",
     F.scaled_dot_product_attention: "sdpa",
 }
-# torch.special's spellings are separate function objects named "special_erf" etc.: the same functions
-_FUNCTIONS.update({torch.special.erf: "erf", torch.special.erfc: "erfc",
+# torch.special's spellings are separate function objects named "special_erf" etc.: the same functions.
+# ndtr (the normal CDF, Phi) has no torch / Tensor spelling: ``h * torch.special.ndtr(h)`` is the erf GELU.
+_FUNCTIONS.update({torch.special.erf: "erf", torch.special.erfc: "erfc", torch.special.ndtr: "ndtr",
                    torch.special.log_softmax: "log_softmax"})
 if hasattr(F, "rms_norm"):
     _FUNCTIONS[F.rms_norm] = "rms_norm"

@@ -6,16 +6,18 @@ the (tanh) GELU and the store of the pre-activation in the GEMM's epilogue, and 
 the weight-gradient GEMM (flash_backend/ops/dense.py).
 
 What is matched, on the Torch IR dynamo produces (before AOTAutograd, so the op's autograd gives the
-backward): ``F.linear(x, w, b)`` (nn.Linear; arguments by position or keyword), or ``torch.addmm(b, x, m)``
-with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by a ``view`` back to
-(..., N)), or a matmul with a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``, ``x @ m``
-with m (K, N)), or a two-operand ``torch.einsum`` that is one (``'bsk,nk->bsn'``, ``'...k,kn->...n'``, either
-operand order: x's last index contracted with the 2-d operand's, the output x's other indices in order and
-then the free one; nothing else), followed by a GELU of that output (the ``torch.ops.aten`` spellings of
-linear, addmm, mm, matmul and gelu too: _ATEN). Between the two, any number of ``+ b`` with b a tensor of
-shape (N,) (either side of the add, no alpha) are taken into the op's bias: the bias of a bias-free Linear
-(``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``, ``x @ w.t() + b``), and a second bias on a biased
-one (``lin(x) + b2``), passed as ``b + b2`` computed in the graph (autograd takes its gradient to both).
+backward): ``F.linear(x, w, b)`` (nn.Linear; arguments by position or keyword), or ``torch.addmm(b, x, m)`` or
+``b.addmm(x, m)`` with default alpha/beta (transformers' Conv1D in GPT-2: m is (K, N), optionally followed by
+a ``view`` back to (..., N); addmm's deprecated positional beta/alpha overloads are refused), or a matmul with
+a 2-d right operand (``x @ w.t()``, ``w.T``, ``w.mT``, ``torch.mm``, ``x @ m`` with m (K, N); Tensor methods
+too: ``x.matmul(..)``, ``x.mm(..)``, ``h.add(b)``), or a two-operand ``torch.einsum`` that is one
+(``'bsk,nk->bsn'``, ``'...k,kn->...n'``, either operand order: x's last index contracted with the 2-d
+operand's, the output x's other indices in order and then the free one; nothing else), followed by a GELU of
+that output (the ``torch.ops.aten`` spellings of linear, addmm, mm, matmul and gelu too: _ATEN). Between the
+two, any number of ``+ b`` with b a tensor of shape (N,) (either side of the add, no alpha) are taken into the
+op's bias: the bias of a bias-free Linear (``F.linear(x, w) + b``, ``nn.Linear(bias=False)(x) + b``,
+``x @ w.t() + b``), and a second bias on a biased one (``lin(x) + b2``), passed as ``b + b2`` computed in the
+graph (autograd takes its gradient to both).
 
 That is the same function. In exact arithmetic linear(x, w, b) + b2 is linear(x, w, b + b2). In floating
 point eager rounds twice, round(round(acc + b) + b2), the rewrite round(acc + round(b + b2)); each is one
@@ -32,7 +34,8 @@ The GELU after it:
 - GELU written out (transformers' NewGELUActivation / gelu_new / FastGELU tanh forms,
   ``x * 0.5 * (1 + erf(x / sqrt(2)))``, ``0.5 * x * erfc(-x / sqrt(2))``): any subgraph of pointwise
   ``mul/add/sub/div/pow/neg/square`` with constant scalars and exactly one ``tanh`` (torch or F), ``erf`` or
-  ``erfc`` (torch, Tensor method or torch.special), fed by h alone, that evaluates (in fp64, on a grid over
+  ``erfc`` (torch, Tensor method or torch.special) or ``torch.special.ndtr`` (the normal CDF: ``h * ndtr(h)``
+  is the erf GELU), fed by h alone, that evaluates (in fp64, on a grid over
   [-8, 8] and out to +-1e8) to the tanh or the erf GELU to 1e-9, and in h's own dtype to within rounding (a
   constant that under- or overflows there, ``h * 1e-50 * 1e50`` in fp32, is another function; so, in fp64, is
   BLOOM's GELU with sqrt(2 / pi) written to 8 digits, a GELU in fp32 and below only), and that
@@ -99,7 +102,7 @@ FAMILY = "dense"
 
 _OP_MODULE = "flash_backend.ops.dense"
 _OP_NAME = "flash.dense_gelu_fwd (linear_bias_gelu)"
-_TRANSCENDENTAL = ("tanh", "erf", "erfc")
+_TRANSCENDENTAL = ("tanh", "erf", "erfc", "ndtr")  # ndtr(h) = Phi(h) = (1 + erf(h / sqrt 2)) / 2
 _CASTS = {"float", "to", "type", "type_as", "half", "bfloat16"}
 # torch.ops.aten's spellings of the ops matched here (``torch.ops.aten.gelu(h)``, ``aten.linear.default``),
 # which dynamo records as the op packet or overload itself and _match.op_name does not name: the same
@@ -151,10 +154,15 @@ def _is(node: object, *names: str) -> bool:
 
 
 def _is_transpose_2d(node: object) -> bool:
+    """node is the transpose of a 2-d tensor, its node args[0] (the weight a caller reads from there)."""
     if not isinstance(node, torch.fx.Node) or tensor_meta(node) is None or tensor_meta(node).dim() != 2:
         return False
     if node.op == "call_function" and node.target is getattr:  # w.T / w.mT, as dynamo records them
         return len(node.args) == 2 and node.args[1] in ("T", "mT")
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        # torch.t(input=w): the tensor by keyword. Not read as w's transpose (callers read args[0]; it raised
+        # IndexError out of the backend, review s29); as the (K, N) operand it is x @ m, the same function.
+        return False
     name = op_name(node)
     if name == "t" or node.target is torch.t:
         return True
@@ -270,18 +278,34 @@ def _linear_inputs(node: torch.fx.Node):
         return _matmul_linear(node)
     if is_op(node, "einsum"):
         return _einsum_linear(node)
-    if _is(node, "addmm") and node.op == "call_function":
-        if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
-            raise _Miss("addmm has alpha/beta other than 1")
-        b, x, m = arg(node, 0, "input", node.kwargs.get("self")), arg(node, 1, "mat1"), arg(node, 2, "mat2")
-        bt = tensor_meta(b)
-        if bt is None or bt.dim() != 1:
-            raise _Miss("addmm's bias is not a 1-d (N,) tensor")
-        out = _view_after(node) or node
-        if _is_transpose_2d(m):
-            return "torch.addmm(b, x, w.t())", x, m.args[0], None, b, out
-        return "torch.addmm(b, x, w) (Conv1D)", x, None, m, b, out
+    if _is(node, "addmm"):
+        return _addmm_linear(node)
     return None
+
+
+def _addmm_linear(node: torch.fx.Node):
+    """``torch.addmm(b, x, m)`` and its Tensor-method spelling ``b.addmm(x, m)`` (dynamo records
+    ``torch.Tensor.addmm(b, x, m)`` so too; self is args[0] either way, mat1 and mat2 after it), with default
+    beta and alpha (keyword-only in both). Four or five positional arguments, or a positional number, are
+    the deprecated overloads ``torch.addmm(beta, b, [alpha,] x, m)`` / ``b.addmm(beta, [alpha,] x, m)``,
+    which scale and put the operands elsewhere: refused (reported), like alpha/beta by keyword."""
+    if node.op not in ("call_function", "call_method") or node.op == "call_method" and not node.args:
+        return None
+    if len(node.args) > 3 or any(not isinstance(a, torch.fx.Node) for a in node.args):
+        raise _Miss("addmm in its deprecated overload with alpha/beta given by position; not read, not fused")
+    if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
+        raise _Miss("addmm has alpha/beta other than 1")
+    method = node.op == "call_method"
+    b = node.args[0] if method else arg(node, 0, "input", node.kwargs.get("self"))
+    x, m = arg(node, 1, "mat1"), arg(node, 2, "mat2")
+    bt = tensor_meta(b)
+    if bt is None or bt.dim() != 1:
+        raise _Miss("addmm's bias is not a 1-d (N,) tensor")
+    out = _view_after(node) or node
+    spelled = "b.addmm(x, " if method else "torch.addmm(b, x, "
+    if _is_transpose_2d(m):
+        return f"{spelled}w.t())", x, m.args[0], None, b, out
+    return f"{spelled}w) (Conv1D)", x, None, m, b, out
 
 
 # --------------------------------------------------------------------------------------------------

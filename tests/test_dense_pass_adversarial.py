@@ -84,7 +84,6 @@ OTHER = {
     "erfc_sign_flipped": (lambda m, x: (lambda h: -0.5 * h * torch.erfc(h / S2))(m.lin(x)), "lin", (3, 5, K)),
     "erf_constant_0_7071": (lambda m, x: (lambda h: 0.5 * h * (1 + torch.erf(h * 0.7071)))(m.lin(x)), "lin",
                             (3, 5, K)),
-    "ndtr_not_recognised": (lambda m, x: (lambda h: h * torch.special.ndtr(h))(m.lin(x)), "lin", (3, 5, K)),
 }
 
 

@@ -19,10 +19,11 @@ sizes with random inputs, and asserts the rewrite / near-miss counts and eager's
   the left, ``h.add_(b)``, erfc / torch.special.erf / Tensor.erf spellings,
   ``F.gelu(input=.., approximate=..)``, ``torch.ops.aten.gelu(.., approximate=..)``, a computed weight, a
   tied weight, autocast addmm / einsum.
-- Left alone: GELU constants slightly off (0.0447, 0.50001, 0.7978), x * sigmoid(1.702 x), x * ndtr(x),
-  the tanh GELU written with sigmoid, baddbmm, a pre-activation also returned (reported), a (1,), 0-d or
-  (1, N) bias (reported: the op takes (N,)), addmm with beta (reported), x written in place between the
-  Linear and the GELU (reported), a GELU in a no_grad block inside a training graph (reported).
+- Left alone: GELU constants slightly off (0.0447, 0.50001, 0.7978), x * sigmoid(1.702 x) (x * ndtr(x), the
+  erf GELU, is rewritten since s29: tests/test_dense_review_s29.py), the tanh GELU written with sigmoid,
+  baddbmm, a pre-activation also returned (reported), a (1,), 0-d or (1, N) bias (reported: the op takes
+  (N,)), addmm with beta (reported), x written in place between the Linear and the GELU (reported), a GELU
+  in a no_grad block inside a training graph (reported).
 """
 
 from __future__ import annotations
@@ -212,7 +213,6 @@ OTHER = {
     "half_0_50001": (lambda m, x: _new_gelu(m.lin(x), half=0.50001), 0),
     "sqrt_2_over_pi_0_7978": (lambda m, x: _new_gelu(m.lin(x), c=0.7978), 0),
     "sigmoid_1_702": (lambda m, x: (lambda h: h * torch.sigmoid(1.702 * h))(m.lin(x)), 0),
-    "ndtr": (lambda m, x: (lambda h: h * torch.special.ndtr(h))(m.lin(x)), 0),
     "tanh_gelu_as_sigmoid": (
         lambda m, x: (lambda h: h * torch.sigmoid(2 * C * (h + 0.044715 * h**3)))(m.lin(x)), 0),
     "baddbmm": (lambda m, x: F.gelu(torch.baddbmm(m.bias, x, m.lin_nb.weight.t().expand(3, K, N))), 0),
