@@ -58,12 +58,17 @@ variance or standard deviation (``x.var(-1)``, ``var_mean`` / ``std`` defaults, 
 after the square root (the Annotated Transformer's ``(x - mean) / (x.std(-1) + eps)``, ``sqrt(ms) + eps``),
 eps added to or a clamp of the 2-norm's root mean square (``x / (norm * N ** -0.5 + eps)``, Zhang &
 Sennrich's reference RMSNorm; ``.clamp(min=eps)``, lucidrains'). So is a pattern one of whose tensors is
-written in place before it ends (dynamo reads it by one node before and after the write); and a cast that
-loses values (bf16 -> fp16 loses range) is never folded as an upcast. Nor is a rounding of the result
-(``.bfloat16()``, or a bf16 ``w * x`` scaled in fp32) folded when a later step widens it again (``* w_fp32``,
-``.float()``): the op rounds once, to its output's dtype. Nor is a hand-written statistic computed
-in float16 (its squares, a ``var`` / ``var_mean``, a 2-norm; not upcast first): it overflows past 65504, a
-square once |x| > 256, where the fused op's fp32 statistics do not, and eager's output is then 0 or NaN.
+written in place before it ends (dynamo reads it by one node before and after the write), or, where the
+graph may record gradients, one the op saves for its backward (the pre-norm sum it returns, x when it stores
+no sum, the weight and bias) written in place after it when eager saved another tensor (``h += f(norm(h))``
+after a hand-written norm, which saves ``h - mean``: the op's backward would fail where eager's trains); an
+in-place dropout of a tensor whose memory another node shares (``a.float()`` of an fp32 a, ``.detach()``:
+eager's write reaches a). A cast that loses values (bf16 -> fp16 loses range) is never folded as an
+upcast. Nor is a rounding of the result (``.bfloat16()``, or a bf16 ``w * x`` scaled in fp32) folded when a
+later step widens it again (``* w_fp32``, ``.float()``): the op rounds once, to its output's dtype. Nor is
+a hand-written statistic computed in float16 (its squares, a ``var`` / ``var_mean``, a 2-norm; not upcast
+first): it overflows past 65504, a square once |x| > 256, where the fused op's fp32 statistics do not, and
+eager's output is then 0 or NaN.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ from fx_passes._match import (
     erase_unused,
     fake_call,
     fused_op,
+    in_place_writers,
     insert_call,
     insert_getitem,
     is_number,
@@ -92,6 +98,7 @@ from fx_passes._match import (
     op_name,
     out_writer,
     state_crossing,
+    state_regions,
     tensor_meta,
     val,
     written_before_end,
@@ -1021,7 +1028,31 @@ def _dropout_p(node: torch.fx.Node) -> float:
                         "(they would see the dropped values)")
         if src.op in ("placeholder", "get_attr") or t is None or t._is_view():
             raise _Miss(f"inplace dropout mutates {src.name}, a graph input or a view")
+        sharer = _memory_sharer(src, {node})
+        if sharer is not None:
+            raise _Miss(f"inplace dropout writes into {src.name}, whose memory {sharer.name} shares (an "
+                        "alias: a cast or .contiguous() that returned its input, .detach(), a view): its "
+                        "readers would see the dropped values, which the fused op does not write")
     return p
+
+
+def _memory_sharer(node: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """Another node of the graph whose tensor shares node's memory, by the storages of dynamo's fake values
+    (which keep eager's aliasing: ``a.float()`` of an fp32 a, ``a.contiguous()``, ``a.to(a.dtype)`` return a
+    itself, ``a.detach()`` and views share its storage); node itself when that cannot be told (review s29:
+    ``F.dropout(a.float(), p, inplace=True)`` drops a's values in place, which a's other readers see)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        ref = StorageWeakRef(tensor_meta(node).untyped_storage())
+        for other in node.graph.nodes:
+            t = tensor_meta(other)
+            if other is not node and other not in exclude and t is not None and \
+                    StorageWeakRef(t.untyped_storage()) == ref:
+                return other
+    except Exception:  # noqa: BLE001 - a value whose storage cannot be read: assume it is shared
+        return node
+    return None
 
 
 def _input_options(h: torch.fx.Node) -> list[_Inputs]:
@@ -1108,6 +1139,7 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
         if res.dtype != hv.dtype or not _same_shape(res, hv):
             raise _Miss(f"the residual output would be {res.dtype}, eager's sum is {hv.dtype}")
     _check_not_written(pattern, end)
+    _check_saved_not_written(pattern, args, kwargs, h if return_residual else None, core)
     return args, kwargs, return_residual, pattern
 
 
@@ -1133,6 +1165,40 @@ def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node) -> None:
         node, writer = found
         raise _Miss(f"{node.name} is written in place by {writer.name} ({op_name(writer)}) before the norm "
                     "ends: what it reads depends on where it runs")
+
+
+def _check_saved_not_written(pattern: set[torch.fx.Node], args: tuple, kwargs: dict,
+                             returned_h: torch.fx.Node | None, core: _Core) -> None:
+    """No tensor the op saves for its backward is written in place after it, unless eager saved it too
+    (review s29).
+
+    The op saves h (its residual output: the pre-norm sum, which the users of ``returned_h`` then read) or,
+    when it stores none (no residual, no dropout), x itself, and the weight and bias. A write to one of them
+    after the norm, ``h += attn(norm(h))`` (a pre-norm block updating its residual stream in place) or
+    ``x.mul_(2)``, bumps its version and fails the op's backward, where eager's hand-written norm saved only
+    what it computed from them (``x - mean``, Llama's ``x.float()`` of a bf16 x; F.rms_norm too, of a bf16 x)
+    and trains. F.layer_norm saves its own input, weight and bias: a write to those fails eager's backward as
+    it fails the op's, and is left to the fusion. Where the graph runs with grad disabled throughout nothing
+    is saved, and the write is harmless."""
+    graph = next(iter(pattern)).graph
+    if getattr(graph, "_flash_entry_grad_enabled", True) is False and state_regions(graph) is None:
+        return
+    x, residual, weight, bias = args
+    stores_h = returned_h is not None or residual is not None or kwargs["dropout_p"] > 0.0
+    saved = [("the pre-norm sum", returned_h), ("the input", None if stores_h else x), ("the weight", weight),
+             ("the bias", bias)]
+    saved_by_eager = set()
+    if is_op(core.anchor, "layer_norm"):
+        saved_by_eager = {arg(core.anchor, i, name) for i, name in ((0, "input"), (2, "weight"), (3, "bias"))}
+    for what, node in saved:
+        if not isinstance(node, torch.fx.Node) or node in saved_by_eager:
+            continue
+        writers = in_place_writers(node, pattern)
+        if writers:
+            writer = writers[0]
+            raise _Miss(f"{what} {node.name} is written in place by {writer.name} ({op_name(writer)}) after "
+                        "the norm: the fused op saves it for its backward, which would then fail where "
+                        "eager's does not")
 
 
 def _taking_rows(fn):
