@@ -41,7 +41,7 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
     with three consumers and the per-warpgroup block skip (attention_gluon_causal_skip_s25_h200.log)."""
     if not hopper.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
-    block_n, stages, _, consumers = hopper.CONFIGS[(head_dim, causal)]
+    block_n, stages, _, consumers, _ = hopper.CONFIGS[(head_dim, causal)]
     kernel = hopper.compile_sm90(head_dim, dtype, causal, (block_n, stages, pingpong, consumers))
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx

@@ -69,17 +69,22 @@ MIN_SEQ_Q_THREE_CONSUMERS = 2048
 # 1.17x the Triton forward at Sq = 4096 / 8192, 0.97x at 2048
 # (bench/logs/attention_gluon_causal_skip_s25_h200.log).
 MIN_SEQ_Q_CAUSAL_64 = 4096
-# (BLOCK_N, STAGES, PINGPONG, CONSUMERS) per (head_dim, causal) routed here: the fastest of
+# (BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES) per (head_dim, causal) routed here: the fastest of
 # bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
 # (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
 # three consumers (192 rows a CTA, as FA3) 1.06-1.10x; 64 causal with three consumers, no ping-pong (above).
+# RAW_SCORES (the FMA softmax, _block_scores) only where it measured faster: head_dim 64 causal 1.05-1.09x
+# the kernel without it (4,16,4096, 8,16,4096, 2,16,8192), twice. On at every configuration, head_dim 64
+# non-causal ran 0.91-0.93x (its edge-block masking became selects on every block) and head_dim 128 / 256
+# 0.94-0.97x, which is within this probe's spread between identical kernels (8,16,2048,128: 0.955x), so
+# unproven either way there (bench/logs/attention_gluon_fwd_fma_softmax_s29_h200.log, _shipped_s29_h200.log).
 CONFIGS = {
-    (64, False): (128, 2, True, 3),
-    (64, True): (128, 2, False, 3),
-    (128, False): (128, 2, True, 2),
-    (128, True): (128, 2, True, 2),
-    (256, False): (64, 2, False, 2),
-    (256, True): (64, 2, False, 2),
+    (64, False): (128, 2, True, 3, False),
+    (64, True): (128, 2, False, 3, True),
+    (128, False): (128, 2, True, 2, False),
+    (128, True): (128, 2, True, 2, False),
+    (256, False): (64, 2, False, 2, False),
+    (256, True): (64, 2, False, 2, False),
 }
 _PRODUCER_REGS = 24
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
@@ -200,24 +205,53 @@ if GLUON_AVAILABLE:
         else:  # one return per (constexpr) branch: Gluon checks the returns of a branch it generates
             return 0.0
 
+    # RAW (a config's RAW_SCORES, not with KEYS_BIAS): the scores stay unscaled through the masking, the
+    # row max is taken of the raw products and scaled once a row, and exp2's argument s * qk_scale - m is one
+    # FMA an element instead of a multiply and a subtraction (FlashAttention-3's softmax). max(s) * c is
+    # max(s * c) only for c > 0: the launcher refuses other scales. Where the edge blocks' masking is cheap
+    # enough for ptxas to turn its branch into selects on every block, that costs more than the multiply
+    # saves: CONFIGS turns it on where it measured faster.
     @gluon.jit
     def _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr, RAW: gl.constexpr,
                       s_layout: gl.constexpr):
-        """Block j's scores in base 2 with what hides keys applied (module KEYS_* modes)."""
+        """Block j's scores with what hides keys applied (module KEYS_* modes), -inf where hidden: in base
+        2, or unscaled when RAW."""
         if KEYS == KEYS_BIAS:
             return s * qk_scale + gl.expand_dims(bias, 0)
+        elif RAW:
+            return _masked(s, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N, CAUSAL,
+                           KEYS, s_layout)
         else:
             return _masked(s * qk_scale, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N,
                            CAUSAL, KEYS, s_layout)
 
     @gluon.jit
+    def _row_max(s, qk_scale, RAW: gl.constexpr):
+        """The rows' max of _block_scores' block, in base 2."""
+        if RAW:
+            return gl.reduce(s, 1, _max_fn) * qk_scale
+        else:
+            return gl.reduce(s, 1, _max_fn)
+
+    @gluon.jit
+    def _exp2_shifted(s, m, qk_scale, RAW: gl.constexpr):
+        """exp2 of _block_scores' block in base 2 minus the rows' m."""
+        if RAW:
+            return gl.exp2(s * qk_scale - gl.expand_dims(m, 1))
+        else:
+            return gl.exp2(s - gl.expand_dims(m, 1))
+
+    @gluon.jit
     def _consumer_blocks(WG: gl.constexpr, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                          turn_bars, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row,
-                         qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr):
+                         qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr,
+                         RAW_SCORES: gl.constexpr):
         """The key blocks of consumer WG's rows: (acc, m_i, l_i) of the online softmax, acc = unnormalised
         P V. KEYS (module KEYS_* modes) says how keys are hidden, a constexpr so that each mode compiles to
-        a loop of its own (a runtime choice inside the loop spilled ~450 bytes at head_dim 64)."""
+        a loop of its own (a runtime choice inside the loop spilled ~450 bytes at head_dim 64). RAW_SCORES:
+        the FMA softmax (_block_scores)."""
+        RAW: gl.constexpr = RAW_SCORES and KEYS != KEYS_BIAS
         dtype: gl.constexpr = q_smem.dtype
         BLOCK_M: gl.constexpr = q_smem.type.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
@@ -246,15 +280,15 @@ if GLUON_AVAILABLE:
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(0), count=1)
         s = _block_scores(s, bias, 0, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                          BLOCK_N, CAUSAL, KEYS, s_layout)
-        m_i = gl.reduce(s, 1, _max_fn)
+                          BLOCK_N, CAUSAL, KEYS, RAW, s_layout)
+        m_i = _row_max(s, qk_scale, RAW)
         if KEYS != KEYS_PLAIN:
             # The first block holds the padding row's first live key, live for every query row (the mask
             # broadcasts over them), so every row's max is finite from here on, except when the row has no
             # live key at all: then the kernel was given one block, every score -inf, and the max taken as
             # 0 keeps p = 0 (not NaN), l = 0, acc = 0 (_consumer then writes out = 0, logsumexp +inf).
             m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(s - gl.expand_dims(m_i, 1))
+        p = _exp2_shifted(s, m_i, qk_scale, RAW)
         l_i = gl.reduce(p, 1, _add_fn)
         # P crosses the loop already in the wgmma A-operand layout and dtype: 32 registers a thread instead of
         # 64 in fp32 (carried in fp32, head_dim 128 spilled 280 bytes)
@@ -277,10 +311,10 @@ if GLUON_AVAILABLE:
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
             mbarrier.arrive(k_empty.index(stage), count=1)
             s = _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                              BLOCK_N, CAUSAL, KEYS, s_layout)
-            m_new = gl.maximum(m_i, gl.reduce(s, 1, _max_fn))
+                              BLOCK_N, CAUSAL, KEYS, RAW, s_layout)
+            m_new = gl.maximum(m_i, _row_max(s, qk_scale, RAW))
             alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            p = _exp2_shifted(s, m_new, qk_scale, RAW)
             l_i = l_i * alpha + gl.reduce(p, 1, _add_fn)
             m_i = m_new
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -316,7 +350,8 @@ if GLUON_AVAILABLE:
     def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                   v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                   qk_scale, bias_row, pure, key_lo, first_block, CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr):
+                  PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr,
+                  RAW_SCORES: gl.constexpr):
         """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards against key blocks first_block
         onwards (n_blocks of them), keys [key_lo, seq_k) live; with a padding mask (HAS_MASK) seq_k is its
         row's live end, bias_row its prepared bias row, and rows run the KEYS_BIAS loop, or with RANGE_LOOP
@@ -341,12 +376,12 @@ if GLUON_AVAILABLE:
         if RANGE_LOOP and pure:  # RANGE_LOOP (a padding mask): pure rows take a loop that loads no bias
             acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                              turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_RANGE)
+                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_RANGE, RAW_SCORES)
         else:
             acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                              turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
                                              bias_row, qk_scale, CAUSAL, PINGPONG,
-                                             KEYS_BIAS if HAS_MASK else KEYS_PLAIN)
+                                             KEYS_BIAS if HAS_MASK else KEYS_PLAIN, RAW_SCORES)
 
         if HAS_MASK:
             no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
@@ -372,8 +407,8 @@ if GLUON_AVAILABLE:
                                      seq_k, num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
                                      rows_per_group, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
-                                     RANGE_LOOP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr):
+                                     RANGE_LOOP: gl.constexpr, RAW_SCORES: gl.constexpr,
+                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row), live key ranges
         (KEY_RANGE, (first, last + 1) a row) and pure flags (PURE), row batch * mask_row_b + head *
         mask_row_h (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not
@@ -436,11 +471,11 @@ if GLUON_AVAILABLE:
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                              qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP)),
+                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                              qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP)),
+                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -450,15 +485,15 @@ if GLUON_AVAILABLE:
                 (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                              qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP)),
+                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                              qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP)),
+                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
                 (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                              v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
                              qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP)),
+                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
                              head // group, first_block, n_blocks)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -561,7 +596,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, stages, pingpong, consumers = config
+    block_n, stages, pingpong, consumers, raw_scores = _full_config(config)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     signature = {}
     for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
@@ -572,11 +607,18 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
                      mask_row_h="i32", rows_per_group="i32")
     maxnreg, consumer_regs = _REGS[consumers]
     constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                      HAS_MASK=mask, RANGE_LOOP=mask and head_dim in RANGE_LOOP_HEAD_DIMS,
+                      RAW_SCORES=raw_scores, HAS_MASK=mask,
+                      RANGE_LOOP=mask and head_dim in RANGE_LOOP_HEAD_DIMS,
                       PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(fn=_attention_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+
+
+def _full_config(config) -> tuple:
+    """(BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES); a 4-tuple (the probes' older configurations) runs
+    without RAW_SCORES."""
+    return (*config, False)[:5]
 
 
 @functools.cache
@@ -614,17 +656,20 @@ def padding_mask_args(attn_mask, seq_k, dummy):
 def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=None, attn_mask=None,
                                     rows_per_group=None):
     """Fill out (B, H, Sq, D) and lse (B, H, Sq, contiguous) with the Gluon forward; the caller checked
-    hopper_forward_supported(...) and that out is TMA-compatible. config = (BLOCK_N, STAGES, PINGPONG,
-    CONSUMERS); attn_mask: None or a padding mask (padding_mask_ok); rows_per_group: the launch order's
-    (_heaviest_first; heaviest_first_rows's when None)."""
+    hopper_forward_supported(...), that out is TMA-compatible and that scale > 0. config = (BLOCK_N, STAGES,
+    PINGPONG, CONSUMERS[, RAW_SCORES]); attn_mask: None or a padding mask (padding_mask_ok);
+    rows_per_group: the launch order's (_heaviest_first; heaviest_first_rows's when None)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if not scale > 0:  # every configuration: the routing does not ask which one takes the raw scores
+        raise ValueError(f"attention_forward_hopper_launch: scale must be > 0 (RAW_SCORES scales each row's "
+                         f"max of the raw scores), got {scale}")
     if B * H * Sq == 0:
         return
     if not _tma_ok(out) or not lse.is_contiguous():
         raise ValueError("attention_forward_hopper_launch: out needs TMA-compatible strides and lse to be "
                          "contiguous (B, H, Sq)")
-    block_n, stages, pingpong, consumers = config or CONFIGS[(D, causal)]
+    block_n, stages, pingpong, consumers, raw_scores = _full_config(config or CONFIGS[(D, causal)])
     maxnreg, consumer_regs = _REGS[consumers]
     bias, key_ranges, pure, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
     grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
@@ -633,7 +678,7 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
     fast_kernel(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
         lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, rows_per_group,
-        CONSUMERS=consumers,
+        CONSUMERS=consumers, RAW_SCORES=raw_scores,
         STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask,
         RANGE_LOOP=has_mask and D in RANGE_LOOP_HEAD_DIMS, PRODUCER_REGS=_PRODUCER_REGS,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,

@@ -393,7 +393,9 @@ def _attention_forward_impl(q, k, v, attn_mask, seed, dropout_p, scale, window_l
     if kernels and config.hopper_attention_forward:
         from flash_backend.kernels.attention_fwd_hopper import hopper_forward_supported
 
-        if hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right):
+        # scale > 0: the Gluon softmax scales each row's max of the raw scores (attention_fwd_hopper._row_max)
+        if scale > 0 and hopper_forward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right,
+                                                  bottom_right):
             causal = window_right == 0
             if launch is plain_launch:  # the eager fast path: no dispatcher
                 return _hopper_forward(q, k, v, scale, causal, attn_mask)
