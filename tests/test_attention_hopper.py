@@ -41,8 +41,8 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
     with three consumers and the per-warpgroup block skip (attention_gluon_causal_skip_s25_h200.log)."""
     if not hopper.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
-    block_n, stages, _, consumers, _ = hopper.CONFIGS[(head_dim, causal)]
-    kernel = hopper.compile_sm90(head_dim, dtype, causal, (block_n, stages, pingpong, consumers))
+    block_n, stages, _, consumers, raw_scores = hopper.CONFIGS[(head_dim, causal)]
+    kernel = hopper.compile_sm90(head_dim, dtype, causal, (block_n, stages, pingpong, consumers, raw_scores))
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
@@ -54,6 +54,35 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
         report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spills <= SPILL_LIMIT.get((head_dim, causal), 0), report
+
+
+@pytest.mark.parametrize("raw_scores", [True, False])
+def test_raw_scores_softmax_is_one_fma_an_element(raw_scores):
+    """RAW_SCORES (the routed head_dim 64 causal configuration's): exp2's argument s * qk_scale - m is one
+    fma an element, no multiply and subtraction; without it, the scaled scores' multiply and subtraction."""
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
+    config = (*hopper.CONFIGS[(64, True)][:4], raw_scores)
+    assert hopper.CONFIGS[(64, True)][4]
+    ptx = hopper.compile_sm90(64, "bf16", True, config).asm["ptx"]
+    exps = len(re.findall(r"^\s*ex2\.approx", ptx, re.M))
+    fmas = len(re.findall(r"^\s*fma\.rn\.f32", ptx, re.M))
+    subs = len(re.findall(r"^\s*sub\.f32", ptx, re.M))
+    assert exps > 100
+    if raw_scores:
+        assert fmas >= exps - 20 and subs < 20, (exps, fmas, subs)
+    else:
+        assert fmas < 20 and subs >= exps - 20, (exps, fmas, subs)
+
+
+def test_launch_refuses_a_scale_that_is_not_positive():
+    """max(s) * c is max(s * c) only for c > 0: the launcher says so before any kernel runs (the routing
+    sends such calls to the Triton forward)."""
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
+    for scale in (0.0, -0.125):
+        with pytest.raises(ValueError, match="scale must be > 0"):
+            hopper.attention_forward_hopper_launch(q, q, q, scale, True, out, lse)
 
 
 def _fake_qkv(B=8, H=16, Hkv=16, Sq=2048, Sk=2048, D=128, dtype=torch.bfloat16, bshd=False):
