@@ -15,7 +15,10 @@ softmax over the last dim, kᵀ a transpose of k's last two dims, a constant pos
 broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
 to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
 near miss, reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are
-evaluated at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears.
+evaluated at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears. So are
+masks built by statements (in-place writes, also through views or in-place results, when every read comes
+after them) and from a template read for its shape only (``q.new_ones(S, S).tril()``); a graph input (a
+registered buffer) never is.
 
 The walk also sees through views / reshapes of the scores and probabilities that split or merge their
 leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
@@ -174,6 +177,11 @@ def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
     evaluates it with each symbolic scalar (a size under dynamic shapes, a float input) at its example
     value: a result that holds for those values only, for checks that refuse a rewrite, never for ones that
     allow it. hints={symbol: int} evaluates it with those size symbols at those values (_hint's sizes).
+
+    A tensor written in place (itself, through a view of it, or through the result of an in-place call on
+    it) is evaluated with its writes when every read of it comes after all of them (_eval_written). A
+    factory that takes a tensor as a template for shape, dtype and device only (``q.new_ones(S, S)``,
+    ``torch.zeros_like(m)``) is a constant: the template's values are never read.
     """
     sizes = hints if isinstance(hints, dict) else None
     memo = {} if memo is None else memo
@@ -190,78 +198,144 @@ def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
         return _hint(meta, sizes)
     if node.op not in ("call_function", "call_method"):
         raise _Skip("reads a graph input")
-    name = op_name(node) or getattr(node.target, "__name__", str(node.target))
-    if any(r in str(name) for r in _RANDOM_OPS) or is_in_place(node) and not _fresh_in_place(node):
-        raise _Skip("nondeterministic or in-place")
-    # a write after it is computed: the value a use sees depends on where the use is (unless the one use is
-    # that write, on a fresh tensor: _fresh_in_place; or every use reads it after all its writes)
-    writers = [w for w in in_place_writers(node)
-               if w is not node and not (_fresh_in_place(w) and w.args[0] is node)]
+    if _nondeterministic(node):
+        raise _Skip("nondeterministic")
+    base, members, writers = _storage_family(node)
     if writers:
-        writers = _writes_before_reads(node, writers)
-        if writers is None:
-            raise _Skip("written in place after it is computed")
-    if isinstance(meta, torch.Tensor):
-        numel = math.prod(_hint(d, sizes) for d in meta.shape) if hints else meta.numel()
-        if not (hints or _is_static(meta)) or numel > _CONST_EVAL_MAX_NUMEL:
-            raise _Skip("symbolic or large")
-    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs),
-                                               lambda a: _const_eval(a, memo, hints))
-    with torch.no_grad(), _real_mode():
-        if is_in_place(node):  # _fresh_in_place: into a copy, the memo's value of its input stays as it was
-            args = (args[0].clone(), *args[1:])
-        if node.op == "call_function":
-            result = node.target(*args, **kwargs)
-        else:
-            result = getattr(args[0], node.target)(*args[1:], **kwargs)
-    if writers:  # the value every reader sees: after the writes, in their order (_writes_before_reads)
-        result = result.clone()
-        for w in writers:
-            w_args, w_kwargs = torch.fx.node.map_aggregate((w.args[1:], w.kwargs),
-                                                           lambda a: _const_eval(a, memo, hints))
-            with torch.no_grad(), _real_mode():
-                if w.op == "call_function":
-                    w.target(result, *w_args, **w_kwargs)
-                else:
-                    getattr(result, w.target)(*w_args, **w_kwargs)
+        _eval_written(base, members, writers, memo, hints)
+        return memo[node]
+    _check_evaluable(node, hints, sizes)
+    result = _call_real(node, _real_args(node, memo, hints))
     memo[node] = result
     return result
 
 
-def _writes_before_reads(node: Node, writers: list[Node]) -> list[Node] | None:
-    """The in-place writes into node in graph order when every other use of node reads it after all of
-    them, else None: then each reader sees node's value with the writes applied in that order. A mask built
-    by statements, ``m = torch.full((S, S), -inf); m.triu_(1)`` or ``m[:, :p] = 0``, is a constant as much as
-    ``torch.full(..).triu(1)`` is (review s27: one with a dead row was rewritten as a runtime mask). Only
-    writes straight into node (not through a view), whose results are not used and whose other arguments
-    do not read node; node itself no view of another tensor."""
-    if node.op not in ("call_function", "call_method") or _is_alias_of_arg0(node):
-        return None
-    for w in writers:
-        others: list[Node] = []
-        torch.fx.node.map_arg((w.args[1:], w.kwargs), others.append)
-        if w.args[0] is not node or w.users or node in others:
-            return None
+def _nondeterministic(node: Node) -> bool:
+    name = op_name(node) or getattr(node.target, "__name__", str(node.target))
+    return any(r in str(name) for r in _RANDOM_OPS)
+
+
+def _check_evaluable(node: Node, hints, sizes):
+    meta = val(node)
+    if isinstance(meta, torch.Tensor):
+        numel = math.prod(_hint(d, sizes) for d in meta.shape) if hints else meta.numel()
+        if not (hints or _is_static(meta)) or numel > _CONST_EVAL_MAX_NUMEL:
+            raise _Skip("symbolic or large")
+
+
+def _real_args(node: Node, memo: dict, hints, live: dict | None = None):
+    """node's (args, kwargs) as real values: the constants they are, or (live) the values _eval_written
+    holds for the members of a written tensor's family. A like-factory's template, read for its metadata
+    only (_reads_metadata_only), is an empty tensor of its shape, dtype and device."""
+    sizes = hints if isinstance(hints, dict) else None
+    template = node.args[0] if op_name(node) in _LIKE_FACTORIES and node.args else None
+    if not (isinstance(template, Node) and _reads_metadata_only(node, template)):
+        template = None
+
+    def real(a):
+        if live is not None and a in live:
+            return live[a]
+        if template is not None and a is template:
+            meta = tensor_meta(a)
+            if meta is None or not (hints or _is_static(meta)):
+                raise _Skip("a template without a static tensor value")
+            shape = [_hint(d, sizes) if hints else d for d in meta.shape]
+            with _real_mode():
+                return torch.empty(shape, dtype=meta.dtype, device=meta.device)
+        return _const_eval(a, memo, hints)
+
+    return torch.fx.node.map_aggregate((node.args, node.kwargs), real)
+
+
+def _call_real(node: Node, args_kwargs):
+    args, kwargs = args_kwargs
+    with torch.no_grad(), _real_mode():
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+
+
+# Uses of a tensor that read its metadata only, never its values: a write after them changes nothing.
+_METADATA_READS = ("size", "dim", "numel", "nelement", "ndimension", "stride", "is_contiguous")
+
+
+def _storage_family(node: Node) -> tuple[Node, list[Node], list[Node]]:
+    """(base, members, writers) of a node's memory: base is node seen up through its views (_match's
+    generous alias list); members are base and every node that may alias it (views of views, and the
+    results of in-place calls on any of them, which are the tensor written); writers the nodes that write
+    into a member (in place, item assignment, out=). Both in graph order.
+
+    _match.in_place_writers stops at an in-place call: a write through its result (``m =
+    torch.ones(S, S).tril_(); m[0] = 0``) is not among the writers it returns (review s29)."""
+    base = node
+    while _is_alias_of_arg0(base):
+        base = base.args[0]
+    members, writers, pending, seen = [], [], [base], set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        members.append(n)
+        for u in n.users:
+            out = u.kwargs.get("out")
+            if out is n or isinstance(out, (list, tuple)) and any(o is n for o in out):
+                writers.append(u)
+            elif _is_alias_of_arg0(u) and u.args[0] is n:
+                if is_in_place(u):
+                    writers.append(u)
+                pending.append(u)
+    if not writers:
+        return base, members, writers
     order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return base, sorted(members, key=order.__getitem__), sorted(set(writers), key=order.__getitem__)
+
+
+def _eval_written(base: Node, members: list[Node], writers: list[Node], memo: dict, hints):
+    """Evaluate a tensor written in place, and every view of it (members, _storage_family), into memo.
+
+    A mask built by statements, ``m = torch.full((S, S), -inf); m.triu_(1)``, ``m[:, :p] = 0``,
+    ``keep = torch.ones(S, S, dtype=bool); keep[None].tril_()``, is a constant as much as
+    ``torch.full(..).triu(1)`` is (review s27: one with a dead row was rewritten as a runtime mask; s29: one
+    read or written through a view was too, and a write through the result of ``torch.ones(..).tril_()``
+    was dropped, the mask taken as causal). Taken only when every read of the memory (a use by a node
+    that is no view of it nor a write into it) comes after the last write: each reader then sees the
+    values the writes leave, which running the members in graph order on real tensors gives (a view sees
+    the writes, a copy made before them does not, as in eager). Refused: a write whose other arguments are
+    members (a tensor written from a view of itself), an out= write, anything random."""
+    if base.op not in ("call_function", "call_method"):
+        raise _Skip("reads a graph input")
+    family = set(members)
+    order = {n: i for i, n in enumerate(base.graph.nodes)}
     last = max(order[w] for w in writers)
-    if any(order[u] < last for u in node.users if u not in writers):
-        return None
-    return sorted(writers, key=order.__getitem__)
-
-
-def _fresh_in_place(node: Node) -> bool:
-    """An in-place method call whose value is that of the same call on a copy of its input: the input is
-    a tensor produced by a call that is no view of anything, and read by this call only (nothing sees it
-    before or after the write). F._canonical_mask turns nn.MultiheadAttention's bool attn_mask into
-    ``torch.zeros_like(m, dtype=float).masked_fill_(m, -inf)``: a constant mask built so (review s27)."""
-    base = node.args[0] if node.op == "call_method" and node.args else None
-    return (
-        isinstance(base, Node)
-        and base.op in ("call_function", "call_method")
-        and not _is_alias_of_arg0(base)
-        and set(base.users) == {node}
-        and isinstance(val(base), torch.Tensor)
-    )
+    for m in members:
+        if _nondeterministic(m):
+            raise _Skip("nondeterministic")
+        for u in m.users:
+            if u in family or u in writers or op_name(u) in _METADATA_READS or _reads_metadata_only(u, m):
+                continue
+            if order[u] < last:
+                raise _Skip("read before it is written in place")
+    for w in writers:
+        if w not in family or w.kwargs.get("out") is not None:
+            raise _Skip("written through out=")
+        refs: list[Node] = []
+        torch.fx.node.map_arg((w.args[1:], w.kwargs), refs.append)
+        if any(r in family for r in refs):
+            raise _Skip("written from a view of its own memory")
+    sizes = hints if isinstance(hints, dict) else None
+    live: dict = {}
+    for m in members:
+        _check_evaluable(m, hints, sizes)
+        args_kwargs = _real_args(m, memo, hints, live)
+        result = _call_real(m, args_kwargs)
+        if m is base and isinstance(result, torch.Tensor):
+            storage = result.untyped_storage().data_ptr()
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage
+                   for t in torch.utils._pytree.tree_leaves(args_kwargs)):
+                result = result.clone()  # the writes go into base's own memory, never into a memo value
+        live[m] = result
+    memo.update(live)
 
 
 def _real_mode():
@@ -2186,7 +2260,10 @@ def _settle(graph: Graph, before: set, anchor: Node, pattern: set):
     new = [n for n in graph.nodes if n not in before]
     new_set = set(new)
     inputs = {x for n in new for x in n.all_input_nodes if x not in new_set}
-    writes = {x: [w for w in in_place_writers(x) if w not in pattern and w not in new_set] for x in inputs}
+    # every write into x's memory, also through the result of an in-place call on it (_storage_family;
+    # _match.in_place_writers misses those: ``kc = cache.mul_(1); q @ kc.mT ..; kc[..., 0] = 0`` was fused
+    # with the write moved before the read of k; review s29)
+    writes = {x: [w for w in _storage_family(x)[2] if w not in pattern and w not in new_set] for x in inputs}
     if any(writes.values()):
         order = {n: i for i, n in enumerate(graph.nodes)}
         # what the pattern's value depends on: the pattern and its ancestors (a mask's factors, k before its
@@ -2346,7 +2423,9 @@ def _rewrite_mha(graph: Graph, node: Node):
     if not all(isinstance(t, Node) and len(_shape(t) or ()) == 3 for t in (query, key, value)):
         raise _Skip("unbatched (2-d) or non-tensor query/key/value")
     unsupported = [name for name in ("bias_k", "bias_v", "static_k", "static_v") if a[name] is not None]
-    unsupported += [name for name in ("add_zero_attn", "use_separate_proj_weight", "is_causal") if a[name]]
+    unsupported += [name for name in ("add_zero_attn", "use_separate_proj_weight") if a[name]]
+    if not isinstance(a["is_causal"], bool) or not isinstance(a["need_weights"], bool):
+        unsupported.append("a non-constant is_causal or need_weights")
     if unsupported:
         raise _Skip(f"{', '.join(unsupported)} not supported by the rewrite")
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
@@ -2373,6 +2452,16 @@ def _rewrite_mha(graph: Graph, node: Node):
         if mask is not None and (not isinstance(mask, Node) or _shape(mask) is None):
             raise _Skip(f"{name} is not a tensor")
     kpm, attn_mask = a["key_padding_mask"], a["attn_mask"]
+    # is_causal is a hint that attn_mask is the causal mask (TransformerEncoderLayer(is_causal=True),
+    # TransformerDecoderLayer(tgt_is_causal=True)). Eager takes it only without a key_padding_mask and
+    # without need_weights: it then drops attn_mask and runs SDPA with is_causal=True (top-left), whatever
+    # the mask holds; otherwise it ignores the hint and applies the mask (review s29: every such layer was
+    # left alone). The rewrite does what eager does, in each case.
+    hinted_causal = a["is_causal"] and kpm is None and not a["need_weights"]
+    if a["is_causal"] and attn_mask is None:
+        raise _Skip("is_causal without attn_mask (MultiheadAttention raises)")
+    if hinted_causal:
+        attn_mask = None
     if kpm is not None and len(_shape(kpm)) != 2:
         raise _Skip(f"key_padding_mask of shape {list(_shape(kpm))}, not (N, S)")
     if attn_mask is not None and len(_shape(attn_mask)) not in (2, 3):
@@ -2417,6 +2506,7 @@ def _rewrite_mha(graph: Graph, node: Node):
         q, k, v = (call(torch.permute, (call(torch.reshape, (t, (s, batch, heads, head_dim))), (1, 2, 0, 3)))
                    for t, s in zip(projected, (length, src_len, src_len), strict=True))
         mask, causal = masks.build(graph, node, length, src_len)
+        causal = causal or hinted_causal
         from flash_backend.ops.attention import flash_attention
 
         dropout_p = float(a["dropout_p"]) if a["training"] else 0.0  # it drops only in training

@@ -175,7 +175,8 @@ def _setitem_built_mask(q, k, v):
 
 
 def _view_taken_before_the_write(q, k, v):
-    """A view of the mask read after a write into it: kept as a runtime mask (eager's values)."""
+    """A view of the mask read after a write into it: evaluated with the write (s29: a runtime mask before),
+    and causal: is_causal."""
     n = q.shape[-2]
     mask = torch.full((n, n), float("-inf"))
     early = mask[None]
@@ -212,7 +213,7 @@ SAME = {
     "fp64_mask": (_fp64_mask, lambda: (_pad(),), "mask [2, 1, 1, 7]"),
     "statement_built_causal_is_causal": (_statement_built_causal, lambda: (), "causal"),
     "setitem_built_mask": (_setitem_built_mask, lambda: (), "mask [7, 7]"),
-    "view_taken_before_the_write": (_view_taken_before_the_write, lambda: (), "mask [1, 7, 7]"),
+    "view_taken_before_the_write": (_view_taken_before_the_write, lambda: (), "causal"),
 }
 
 
