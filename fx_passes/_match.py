@@ -209,8 +209,9 @@ def _is_alias_of_arg0(node: torch.fx.Node) -> bool:
 
 def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ()) -> list[torch.fx.Node]:
     """The nodes outside allowed that write into node's memory: into node itself, into what node is a view
-    of, or into another view of that (``out=`` included). Where such a write runs decides what each reader
-    sees, so a pass that moves or merges the readers must mind them."""
+    of, into another view of that, or through the result of a write (``out=`` included; allowed nodes'
+    results and views are followed too). Where such a write runs decides what each reader sees, so a pass
+    that moves or merges the readers must mind them."""
     allowed = set(allowed)
     base = node
     while _is_alias_of_arg0(base):
@@ -222,10 +223,12 @@ def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ())
             continue
         seen.add(n)
         for u in n.users:
-            if u in allowed:
-                continue
             if (is_in_place(u) and u.args and u.args[0] is n) or u.kwargs.get("out") is n:
-                writers.append(u)
+                # a write; its result is the same memory, and a write through that result
+                # (``m = torch.ones(S, S).tril_(); m[0] = 0``) writes node too (review s29)
+                if u not in allowed:
+                    writers.append(u)
+                pending.append(u)
             elif _is_alias_of_arg0(u) and u.args[0] is n:
                 pending.append(u)
     return writers
