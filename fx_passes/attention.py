@@ -15,10 +15,13 @@ softmax over the last dim, kᵀ a transpose of k's last two dims, a constant pos
 broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
 to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
 near miss, reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are
-evaluated at compile time: a causal one becomes ``is_causal=True`` and an all-visible one disappears. So are
-masks built by statements (in-place writes, also through views or in-place results, when every read comes
-after them) and from a template read for its shape only (``q.new_ones(S, S).tril()``); a graph input (a
-registered buffer) never is.
+evaluated at compile time: a causal one becomes ``is_causal=True`` (bottom-right aligned, FlashAttention's
+``causal_alignment="bottom_right"``, for the band of KV-cache decoding with Sq < Sk) and an all-visible one
+disappears. So are masks built by statements (in-place writes, also through views or in-place results,
+when every read comes after them) and from a template read for its shape only (``q.new_ones(S,
+S).tril()``); a graph input (a registered buffer) never is. q and k cast up to fp32 for the scores of
+half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are taken before their
+casts (_strip_score_upcasts).
 
 The walk also sees through views / reshapes of the scores and probabilities that split or merge their
 leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
@@ -386,6 +389,30 @@ def _precise_enough(dtype, source_dtype) -> bool:
     return torch.finfo(dtype).eps <= limit
 
 
+def _strip_score_upcasts(cand, probs: Node) -> None:
+    """q and k cast up to fp32 for the scores only (GPT-J, CodeGen, GPT-Neo: ``query.to(torch.float32)``,
+    the softmax in fp32, the probabilities cast back to v's dtype before ·v): the op's own arithmetic, so q
+    and k are taken before their casts (review s29: left alone in bf16 as "q, k, v and the output dtypes
+    differ"). The same function: products of fp16 / bf16 values are exact in fp32, which the op's products
+    accumulate in, as eager's fp32 matmul does; the softmax runs in fp32 in both, and P is rounded to v's
+    dtype before P·V in both. Only a cast to float32 (not float64: the op accumulates in fp32) of a tensor of
+    v's half-precision dtype, on both q and k, with the probabilities that reach ·v in v's dtype."""
+    low = _dtype(cand.v)
+    if low not in (torch.float16, torch.bfloat16) or _dtype(probs) != low:
+        return
+    if cand.q_scales or cand.symbolic_scales:
+        return  # scales put on q in the graph: kept in the dtype they were written for
+    sources = []
+    for node in (cand.q, cand.k):
+        if not (isinstance(node, Node) and op_name(node) in _CASTS and isinstance(node.args[0], Node)
+                and _dtype(node) == torch.float32 and _dtype(node.args[0]) == low
+                and _shape(node) == _shape(node.args[0])):
+            return
+        sources.append(node.args[0])
+    cand.chain.extend([cand.q, cand.k])  # erased only if the rewrite leaves them without users
+    cand.q, cand.k = sources
+
+
 def _holds(cond) -> bool:
     """bool(cond); on symbolic sizes this adds a guard, so the rewrite is only reused where it holds."""
     try:
@@ -683,15 +710,19 @@ class _Masks:
         return None
 
     def build(self, graph: Graph, like: Node, sq: int, sk: int):
-        """(attn_mask node or None, causal) for flash_attention; causal with a mask means window (-1, 0)."""
+        """(attn_mask node or None, causal) for flash_attention; causal with a mask means window (-1, 0).
+
+        causal is False, True (top-left, as SDPA's is_causal) or BOTTOM_RIGHT (the band aligned to the last
+        key, j <= i + Sk - Sq: KV-cache decoding, chunked prefill), see _mask_kwargs."""
         if self.empty():
             return None, False
         keep = self.constant_keep(sq, sk)
         if keep is not None:
             if bool(keep.all()):
                 return None, False
-            if bool((keep == _causal_pattern(sq, sk)).all()):
-                return None, True
+            causal = _causal_kind(keep)
+            if causal:
+                return None, causal
         causal = False
         keep_node = None
         factors: list[Node] = []
@@ -701,7 +732,7 @@ class _Masks:
                 continue
             runtime, is_causal = _split_keep(node, sq, sk)
             factors += runtime
-            causal |= is_causal
+            causal = _and_bands(causal, is_causal)
         for k in factors:
             keep_node = (
                 k if keep_node is None else insert_call(graph, torch.logical_and, (keep_node, k), like=like)
@@ -771,6 +802,35 @@ def _int_constants(parts, limit: int = 3, max_nodes: int = 64) -> list[int]:
 
 def _causal_pattern(sq: int, sk: int) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool).tril()
+
+
+# causal with the band aligned to the bottom-right corner (flash_attention's causal_alignment="bottom_right")
+BOTTOM_RIGHT = "bottom_right"
+
+
+def _causal_kind(keep: torch.Tensor):
+    """True when a constant keep pattern (..., Sq, Sk), real and broadcast, is the top-left causal band,
+    BOTTOM_RIGHT when it is the bottom-right one and differs from it (Sq < Sk: the band of a KV-cache decode
+    step or a chunk of prefill, ``tril(diagonal=Sk - Sq)``), else False. The sizes are the constant's own
+    (compile-time constants are never symbolic; the mask's broadcast to the scores guards them). Never
+    bottom-right for Sq > Sk: that band leaves the first Sq - Sk query rows without a key (constant_dead_row
+    refuses it before; refused here too)."""
+    if keep.dim() < 2:
+        return False
+    sq, sk = keep.shape[-2:]
+    if bool((keep == _causal_pattern(sq, sk)).all()):
+        return True
+    if sq < sk and bool((keep == torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)).all()):
+        return BOTTOM_RIGHT
+    return False
+
+
+def _and_bands(a, b):
+    """The band of two causal bands and-ed (False: none). Both are taken only for Sq <= Sk, where the top-left
+    band is within the bottom-right one: their AND is the top-left band."""
+    if not a or not b:
+        return a or b
+    return True if True in (a, b) else BOTTOM_RIGHT
 
 
 _AND = ("and_", "__and__", "logical_and", "bitwise_and")
@@ -851,8 +911,9 @@ def _split_keep(node: Node, sq: int, sk: int) -> tuple[list[Node], bool]:
     constant = constant.broadcast_to(constant.shape[:-2] + (sq, sk)) if constant.dim() >= 2 else constant
     if bool(constant.all()):
         return runtime, False
-    if constant.dim() >= 2 and bool((constant == _causal_pattern(sq, sk)).all()):
-        return runtime, True
+    causal = _causal_kind(constant)
+    if causal:
+        return runtime, causal
     return [node], False
 
 
@@ -1863,12 +1924,18 @@ def _permuted(graph, node, perm, like):
     return insert_call(graph, torch.permute, (node, tuple(perm)), like=like)
 
 
-def _mask_kwargs(mask, causal: bool) -> dict:
+def _mask_kwargs(mask, causal) -> dict:
     """A causal band next to a mask is the (-1, 0) window (top-left, as is_causal): flash_attention, like
-    SDPA, refuses is_causal together with attn_mask."""
+    SDPA, refuses is_causal together with attn_mask. causal=BOTTOM_RIGHT (_Masks.build) is the same band
+    aligned to the bottom-right corner: causal_alignment="bottom_right", which anchors the window too."""
+    align = {"causal_alignment": BOTTOM_RIGHT} if causal == BOTTOM_RIGHT else {}
     if causal and mask is not None:
-        return {"attn_mask": mask, "is_causal": False, "window_size": (-1, 0)}
-    return {"attn_mask": mask, "is_causal": causal}
+        return {"attn_mask": mask, "is_causal": False, "window_size": (-1, 0), **align}
+    return {"attn_mask": mask, "is_causal": bool(causal), **align}
+
+
+def _causal_detail(causal) -> str:
+    return "causal bottom-right (Sk - Sq keys ahead)" if causal == BOTTOM_RIGHT else "causal"
 
 
 class _Layout:
@@ -2102,6 +2169,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(
             f"the softmax input {list(sm_shape)} is not the shape of the q·kᵀ scores {list(scores_shape)}"
         )
+    _strip_score_upcasts(cand, probs)
     src = _dtype(cand.q)
     if not (src == _dtype(cand.k) == _dtype(cand.v) == _dtype(pv)):
         raise _Skip(
@@ -2190,7 +2258,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         + "".join(f" {'*' if k == 'mul' else '/'} {n.name} (on q)" for k, n, _ in cand.q_scales)
     ]
     if is_causal:
-        details.append("causal")
+        details.append(_causal_detail(is_causal))
     if mask is not None:
         details.append(f"mask {list(_shape(mask) or [])}")
     if isinstance(cand.dropout_p, Node) or cand.dropout_p:
@@ -2410,7 +2478,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         raise
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
-    record_rewrite(FAMILY, variant, "flash_attention", out)
+    record_rewrite(FAMILY, variant, "flash_attention(causal bottom-right, from attn_mask)"
+                   if causal_from_mask == BOTTOM_RIGHT else "flash_attention", out)
 
 
 def _rewrite_mha(graph: Graph, node: Node):
@@ -2524,7 +2593,9 @@ def _rewrite_mha(graph: Graph, node: Node):
     for user in list(node.users):
         user.replace_all_uses_with(out)
     _erase_dead(graph, [node, *node.users])
-    record_rewrite(FAMILY, "nn.MultiheadAttention (F.multi_head_attention_forward)", "flash_attention", out)
+    record_rewrite(FAMILY, "nn.MultiheadAttention (F.multi_head_attention_forward)",
+                   "flash_attention(causal bottom-right, from attn_mask)" if causal == BOTTOM_RIGHT
+                   else "flash_attention", out)
 
 
 def rewrite(graph: torch.fx.Graph) -> None:

@@ -448,7 +448,8 @@ def _bf16_scores_upcast(q, k, v):
 
 
 def _bf16_qk_upcast(q, k, v):
-    """q and k upcast, v not: the op takes one dtype for q, k and v."""
+    """q and k upcast, v not, the probabilities cast back to v's bf16 (GPT-J): left alone until s29, now the
+    op on bf16 q, k, v (tests/test_attention_pass_upcast_scores_s29.py says why that is the same function)."""
     s = q.float() @ k.float().transpose(-1, -2) * SCALE
     return F.softmax(s, dim=-1).to(q.dtype) @ v
 
@@ -464,8 +465,10 @@ def test_bf16_scores_in_fp32():
     assert (out.double() - ref).abs().max() <= 2 * (eager.double() - ref).abs().max() + 1e-2
 
     out, graphs = _run_rewritten(_bf16_qk_upcast, q, k, v)
-    assert not _flash_nodes(graphs) and counters["flash"]["attention_skipped"] == 1
-    torch.testing.assert_close(out, _bf16_qk_upcast(q, k, v), atol=0, rtol=0)
+    assert len(_flash_nodes(graphs)) == 1 and out.dtype == torch.bfloat16
+    ref = _bf16_qk_upcast(q.double(), k.double(), v.double())
+    eager = _bf16_qk_upcast(q, k, v)
+    assert (out.double() - ref).abs().max() <= 2 * (eager.double() - ref).abs().max() + 1e-2
 
 
 # --------------------------------------------------------------------------------------------------------
