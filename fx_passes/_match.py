@@ -393,6 +393,12 @@ def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[int, int]]
     return regions
 
 
+def records_no_grad(graph: torch.fx.Graph) -> bool:
+    """The graph runs with grad disabled throughout (entered under no_grad, no grad-mode change inside):
+    nothing it computes is saved for a backward."""
+    return getattr(graph, "_flash_entry_grad_enabled", True) is False and state_regions(graph) is None
+
+
 def state_crossing(nodes: Iterable[torch.fx.Node]) -> str | None:
     """Why a fused call cannot replace `nodes` (they do not all run in one grad-mode / autocast state), or
     None."""

@@ -97,8 +97,8 @@ from fx_passes._match import (
     norm_dim,
     op_name,
     out_writer,
+    records_no_grad,
     state_crossing,
-    state_regions,
     tensor_meta,
     val,
     written_before_end,
@@ -1180,8 +1180,7 @@ def _check_saved_not_written(pattern: set[torch.fx.Node], args: tuple, kwargs: d
     and trains. F.layer_norm saves its own input, weight and bias: a write to those fails eager's backward as
     it fails the op's, and is left to the fusion. Where the graph runs with grad disabled throughout nothing
     is saved, and the write is harmless."""
-    graph = next(iter(pattern)).graph
-    if getattr(graph, "_flash_entry_grad_enabled", True) is False and state_regions(graph) is None:
+    if records_no_grad(next(iter(pattern)).graph):
         return
     x, residual, weight, bias = args
     stores_h = returned_h is not None or residual is not None or kwargs["dropout_p"] > 0.0
