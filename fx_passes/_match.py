@@ -399,6 +399,19 @@ def records_no_grad(graph: torch.fx.Graph) -> bool:
     return getattr(graph, "_flash_entry_grad_enabled", True) is False and state_regions(graph) is None
 
 
+def frozen_linear_input_writer(x, weight, pattern: Iterable[torch.fx.Node]) -> torch.fx.Node | None:
+    """A node outside pattern that writes in place into x, the input of a Linear whose weight needs no
+    gradient, in a graph that may record gradients; else None. A fused op that keeps x for its backward
+    fails there ("modified by an inplace operation") where eager's matmul, which keeps only the weight when
+    the weight needs no gradient, trains (review s29: a frozen LM head or MLP, LoRA, ``h.add_(..)`` after
+    it). With a trained weight eager keeps x too and fails alike."""
+    meta = tensor_meta(weight) if isinstance(weight, torch.fx.Node) else None
+    if meta is None or meta.requires_grad or not isinstance(x, torch.fx.Node) or records_no_grad(x.graph):
+        return None
+    writers = in_place_writers(x, pattern)
+    return writers[0] if writers else None
+
+
 def state_crossing(nodes: Iterable[torch.fx.Node]) -> str | None:
     """Why a fused call cannot replace `nodes` (they do not all run in one grad-mode / autocast state), or
     None."""

@@ -81,6 +81,7 @@ from fx_passes._match import (
     bound_arguments,
     erase_unused,
     fake_call,
+    frozen_linear_input_writer,
     fused_op,
     in_place_writers,
     insert_call,
@@ -90,7 +91,6 @@ from fx_passes._match import (
     linear_operands,
     op_name,
     out_writer,
-    records_no_grad,
     state_crossing,
     tensor_meta,
     val,
@@ -683,17 +683,11 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         raise _Miss(f"{variant}: the logits {logits_node.name} are written in place by {writers[0].name}: "
                     "the fused op would compute the loss from them unwritten and keep them for its backward "
                     "(eager's loss keeps its log-probabilities)")
-    # x after the loss, under a frozen head (LoRA, a tied embedding frozen): the op keeps x for its backward
-    # (review s29), eager's matmul only the weight when the weight needs no gradient, so a write into x
-    # after the loss (``h.add_(..)``) would fail the op's backward and not eager's. With a trained head eager
-    # keeps x too, and fails alike.
-    weight_meta = tensor_meta(weight)
-    if weight_meta is not None and not weight_meta.requires_grad and not records_no_grad(ce.graph):
-        x_writers = in_place_writers(x, {linear, *chain, ce})
-        if x_writers:
-            raise _Miss(f"{variant}: the head's input {x.name} is written in place by {x_writers[0].name} "
-                        "after the loss: the fused op keeps it for its backward, which would then fail where "
-                        "eager's (a frozen head keeps only its weight) does not")
+    x_writer = frozen_linear_input_writer(x, weight, {linear, *chain, ce})
+    if x_writer is not None:  # after the loss (before it: written_before_end)
+        raise _Miss(f"{variant}: the head's input {x.name} is written in place by {x_writer.name} after the "
+                    "loss: the fused op keeps it for its backward, which would then fail where eager's (a "
+                    "frozen head keeps only its weight) does not")
     if _computed_from(args["target"], linear):
         # pseudo-labels, ``F.cross_entropy(logits, logits.argmax(-1))``: the op, which computes the logits,
         # would need its target before it runs

@@ -45,6 +45,8 @@ from test_norm_dense_ce_review_s25 import _compile
 from test_pass_review_s26 import ROWS, K, N, _check, _x
 from torch._dynamo.utils import counters
 
+from flash_backend.backend import rewrite_only_backend
+
 S2 = math.sqrt(2.0)
 C = math.sqrt(2.0 / math.pi)
 
@@ -281,3 +283,54 @@ OTHER = {
 def test_other_function_is_left_alone(name):
     fn, skipped = OTHER[name]
     _check(Extra(fn), (_x(ROWS, K),), "dense", 0, skipped)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The Linear's input written in place after it, under a frozen weight (review s29, with the cross-entropy
+# pass's same case: tests/test_cross_entropy_review_s29.py). The op keeps x for its backward; eager's linear
+# keeps only the weight when the weight needs no gradient, so ``h.add_(..)`` after the GELU trained in eager
+# and failed the compiled backward ("modified by an inplace operation").
+# --------------------------------------------------------------------------------------------------------
+
+
+def _frozen_input_written_after(x, w, b):
+    h = x * 1.0
+    y = F.gelu(F.linear(h, w, b))
+    h.add_(1.0)
+    return y, h
+
+
+def _frozen_input_not_written(x, w, b):
+    h = x * 1.0
+    return F.gelu(F.linear(h, w, b)), h
+
+
+def _run_frozen(fn, compiled, train):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, K, generator=gen).requires_grad_(train)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)  # frozen: no grad
+    run = torch.compile(fn, backend=rewrite_only_backend, fullgraph=True) if compiled else fn
+    with torch.set_grad_enabled(train):
+        y, h = run(x, w, b)
+    if train:
+        (y.sum() + h.sum()).backward()
+    return y, h, x.grad
+
+
+@pytest.mark.parametrize(("fn", "train", "rewritten"), [
+    (_frozen_input_written_after, True, False),  # the fix: left alone (the backward failed before)
+    (_frozen_input_written_after, False, True),  # under no_grad nothing is kept
+    (_frozen_input_not_written, True, True),
+])
+def test_frozen_linear_input_written_after_it(fn, train, rewritten):
+    expected = _run_frozen(fn, compiled=False, train=train)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _run_frozen(fn, compiled=True, train=train)
+    assert counters["flash"]["dense"] == int(rewritten)
+    assert counters["flash"]["dense_skipped"] == int(not rewritten)
+    for g, e in zip(got, expected, strict=True):
+        if e is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, e)
