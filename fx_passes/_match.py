@@ -399,17 +399,46 @@ def records_no_grad(graph: torch.fx.Graph) -> bool:
     return getattr(graph, "_flash_entry_grad_enabled", True) is False and state_regions(graph) is None
 
 
-def frozen_linear_input_writer(x, weight, pattern: Iterable[torch.fx.Node]) -> torch.fx.Node | None:
-    """A node outside pattern that writes in place into x, the input of a Linear whose weight needs no
-    gradient, in a graph that may record gradients; else None. A fused op that keeps x for its backward
-    fails there ("modified by an inplace operation") where eager's matmul, which keeps only the weight when
-    the weight needs no gradient, trains (review s29: a frozen LM head or MLP, LoRA, ``h.add_(..)`` after
-    it). With a trained weight eager keeps x too and fails alike."""
-    meta = tensor_meta(weight) if isinstance(weight, torch.fx.Node) else None
-    if meta is None or meta.requires_grad or not isinstance(x, torch.fx.Node) or records_no_grad(x.graph):
+def records_grad(result: object) -> bool:
+    """Whether autograd may record the computation of result, a pattern's last node: the graph does not run
+    with grad disabled throughout, and result's example value (dynamo's, which knows the grad mode and
+    which inputs need a gradient) requires grad or is unknown. Where it does not, neither eager's ops nor a
+    fused op keep anything for a backward, and an in-place write after them is harmless."""
+    if isinstance(result, torch.fx.Node) and records_no_grad(result.graph):
+        return False
+    meta = tensor_meta(result)
+    return meta is None or bool(meta.requires_grad)
+
+
+def _needs_grad(node: object) -> bool:
+    meta = tensor_meta(node) if isinstance(node, torch.fx.Node) else None
+    return meta is None or bool(meta.requires_grad)  # unknown: as if it did
+
+
+def linear_operand_writer(x, weight, pattern: Iterable[torch.fx.Node], result: torch.fx.Node,
+                          copied: Iterable[torch.fx.Node] = (),
+                          ) -> tuple[str, torch.fx.Node, torch.fx.Node] | None:
+    """(what, operand, writer) for an operand of a Linear, x or its weight (``x @ w.t()``: w or w.t()),
+    that a fused op keeping both for its backward keeps where eager's matmul does not, and a node outside
+    pattern that writes it in place; else None. Eager's matmul keeps an operand only for the other's
+    gradient: x when the weight needs one, the weight when x does. A fused op that keeps x and the weight
+    whenever anything needs a gradient fails its backward ("modified by an inplace operation") after a write
+    that eager trains through (review s29: a frozen LM head or MLP, LoRA, ``h.add_(..)`` after it; a trained
+    head or first layer on an input that needs no gradient, its weight updated in the graph afterwards,
+    ``with torch.no_grad(): w.mul_(..)``). Nothing is kept where result is not recorded (records_grad).
+    copied: operands the op gets as a copy (autocast's cast), which a write to them does not reach."""
+    if not records_grad(result):
         return None
-    writers = in_place_writers(x, pattern)
-    return writers[0] if writers else None
+    copied, pattern = set(copied), set(pattern)
+    order = {n: i for i, n in enumerate(result.graph.nodes)}
+    for what, operand, other in (("input", x, weight), ("weight", weight, x)):
+        if not isinstance(operand, torch.fx.Node) or operand in copied or _needs_grad(other):
+            continue
+        # (a write before result is the callers' written_before_end's)
+        writers = [w for w in in_place_writers(operand, pattern) if order[w] > order[result]]
+        if writers:
+            return what, operand, writers[0]
+    return None
 
 
 def state_crossing(nodes: Iterable[torch.fx.Node]) -> str | None:

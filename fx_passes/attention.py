@@ -57,7 +57,9 @@ from fx_passes._match import (
     norm_dim,
     op_name,
     out_writer,
+    records_grad,
     state_crossing,
+    state_regions,
     tensor_meta,
     val,
 )
@@ -2247,6 +2249,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
             out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
         _settle(graph, before, pv, {*cand.chain, softmax, pv})
+        _check_kept_not_written(graph, before, pv, {*cand.chain, softmax, pv}, pv)
     except Exception:
         _roll_back(graph, before)
         raise
@@ -2351,6 +2354,92 @@ def _settle(graph: Graph, before: set, anchor: Node, pattern: set):
                                 "and before its end: one fused call cannot read both values")
     for n in new:
         anchor.prepend(n)
+
+
+# Results that are always views of their first argument (they share its version counter).
+_PURE_VIEWS = ("transpose", "permute", "t", "view", "unsqueeze", "squeeze", "expand", "detach", "swapaxes",
+               "swapdims", "movedim", "moveaxis", "unflatten")
+
+
+def _view_base(node: Node) -> Node:
+    while (node.op == "call_function" and node.target is getattr and node.args[1] in ("mT", "T")) or \
+            op_name(node) in _PURE_VIEWS and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _eager_keeps(node: Node, pattern: set) -> bool:
+    """Whether eager's q·kᵀ or p·v matmul in pattern keeps (for its backward) a tensor sharing node's
+    memory's version counter, so that a write to it after the attention fails eager's backward as it fails
+    the op's: leaving it unfused would change nothing (a static KV cache written after a trained q reads
+    it). Asked of torch itself: the matmul run on meta tensors of the operands' shapes, strides and
+    requires_grad, and whether a write to the operand reaches what it saved (its reshape may copy). False
+    where that cannot be told (symbolic sizes, a grad-mode or autocast region)."""
+    if state_regions(node.graph) is not None:
+        return False
+    base = _view_base(node)
+    for mm in pattern:
+        if op_name(mm) not in ("matmul", "bmm") or len(mm.args) != 2 or mm.kwargs:
+            continue
+        a, b = mm.args
+        for i, operand in enumerate((a, b)):
+            if not isinstance(operand, Node) or _view_base(operand) is not base:
+                continue
+            metas = [tensor_meta(t) for t in (a, b)]
+            if any(m is None or not _is_static(m) or not all(isinstance(x, int) for x in m.stride())
+                   for m in metas):
+                continue
+            reals = [torch.empty_strided(tuple(m.shape), m.stride(), dtype=m.dtype, device="meta")
+                     .requires_grad_(m.requires_grad) for m in metas]
+            saved: list = []
+
+            def pack(t, saved=saved):
+                saved.append((t, t._version))
+                return t
+
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.matmul(*reals) if op_name(mm) == "matmul" else torch.bmm(*reals)
+            with torch.no_grad():
+                reals[i].add_(0)
+            if any(t._version != v for t, v in saved):
+                return True
+    return False
+
+
+def _check_kept_not_written(graph: Graph, before: set, anchor: Node, pattern: set, output: Node | None):
+    """Refuse (_Skip) a rewrite whose op keeps for its backward a tensor that is written in place after the
+    attention (review s29); call after _settle, with the inserted nodes (those not in before) in place.
+
+    flash_attention keeps q, k, v, the mask and its output whenever one of its inputs needs a gradient.
+    Eager's unfused ops keep less: q·kᵀ keeps q only for k's gradient and k only for q's, p·v keeps v only
+    when the probabilities need a gradient, an additive mask is not kept, nor is the output. So a write after
+    the attention that eager trains through, ``q.mul_(2)`` with a frozen (detached) k/v cache, ``v.add_(..)``
+    behind the scores of frozen projections, ``mask.zero_()``, ``o = (p @ v).transpose(1, 2); o.mul_(2)``,
+    failed the op's backward ("modified by an inplace operation"). Where eager keeps the tensor too (SDPA's
+    fused CPU kernel keeps q, k, v and its output) its backward fails alike, and leaving it unfused changes
+    nothing. Where nothing is recorded (records_grad: no_grad, nothing needs a gradient) the write is
+    harmless. output: the pattern's result, which the op's output replaces (None when the op's output
+    reaches no reader as itself or a view: MultiheadAttention's out-projection reads it)."""
+    if not records_grad(anchor):
+        return
+    from flash_backend.ops.attention import flash_attention
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    new = [n for n in graph.nodes if n not in before]
+    allowed = set(pattern) | set(new)
+    kept = [("the output", output)] if output is not None else []
+    for call in (n for n in new if n.op == "call_function" and n.target is flash_attention):
+        kept += [("q", arg(call, 0, "q")), ("k", arg(call, 1, "k")), ("v", arg(call, 2, "v")),
+                 ("the mask", arg(call, 3, "attn_mask"))]
+    for what, node in kept:
+        if not isinstance(node, Node):
+            continue
+        writers = [w for w in in_place_writers(node, allowed) if order[w] > order[anchor]]
+        if writers and not _eager_keeps(node, pattern):
+            w = writers[0]
+            raise _Skip(f"{what} '{node.name}' of the attention is written in place by '{w.name}' after it: "
+                        "the fused op keeps it for its backward, which would then fail where eager's "
+                        "unfused ops, which do not keep it here, train")
 
 
 def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -2473,6 +2562,7 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         if ndim == 3:
             out = insert_call(graph, torch.squeeze, (out, 0), like=node)
         _settle(graph, before, node, {node})
+        _check_kept_not_written(graph, before, node, {node}, node)
     except Exception:
         _roll_back(graph, before)
         raise
@@ -2587,6 +2677,7 @@ def _rewrite_mha(graph: Graph, node: Node):
         if want is not None and (got is None or (got.dtype, got.shape) != (want.dtype, want.shape)):
             raise _Skip("the written-out attention would differ in dtype or shape from MultiheadAttention's")
         _settle(graph, before, node, {node})
+        _check_kept_not_written(graph, before, node, {node}, None)
     except Exception:
         _roll_back(graph, before)  # what this attempt inserted (masks.build's nodes too)
         raise

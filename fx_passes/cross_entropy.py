@@ -81,13 +81,13 @@ from fx_passes._match import (
     bound_arguments,
     erase_unused,
     fake_call,
-    frozen_linear_input_writer,
     fused_op,
     in_place_writers,
     insert_call,
     insert_getitem,
     is_last_dim,
     is_op,
+    linear_operand_writer,
     linear_operands,
     op_name,
     out_writer,
@@ -683,11 +683,12 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         raise _Miss(f"{variant}: the logits {logits_node.name} are written in place by {writers[0].name}: "
                     "the fused op would compute the loss from them unwritten and keep them for its backward "
                     "(eager's loss keeps its log-probabilities)")
-    x_writer = frozen_linear_input_writer(x, weight, {linear, *chain, ce})
-    if x_writer is not None:  # after the loss (before it: written_before_end)
-        raise _Miss(f"{variant}: the head's input {x.name} is written in place by {x_writer.name} after the "
-                    "loss: the fused op keeps it for its backward, which would then fail where eager's (a "
-                    "frozen head keeps only its weight) does not")
+    kept = linear_operand_writer(x, weight, {linear, *chain, ce}, ce)
+    if kept is not None:  # after the loss (before it: written_before_end)
+        what, operand, writer = kept
+        raise _Miss(f"{variant}: the head's {what} {operand.name} is written in place by {writer.name} after "
+                    "the loss: the fused op keeps it for its backward, which would then fail where eager's "
+                    "(the other operand needs no gradient: the matmul keeps only that one) does not")
     if _computed_from(args["target"], linear):
         # pseudo-labels, ``F.cross_entropy(logits, logits.argmax(-1))``: the op, which computes the logits,
         # would need its target before it runs

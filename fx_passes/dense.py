@@ -84,11 +84,11 @@ from fx_passes._match import (
     binary_other,
     erase_unused,
     fake_call,
-    frozen_linear_input_writer,
     fused_op,
     insert_call,
     is_number,
     is_op,
+    linear_operand_writer,
     linear_operands,
     op_name,
     out_writer,
@@ -626,12 +626,13 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if written is not None:  # dynamo may read one node before and after the write: no single value
         raise _Miss(f"{variant}: {written[0].name} is written in place by {written[1].name} before the GELU "
                     "ends; not fused")
-    x_writer = frozen_linear_input_writer(x, weight if weight is not None else mat2,
-                                          {linear, *filter(None, [view]), *adds, h, *region})
-    if x_writer is not None and not autocast:  # under autocast the op keeps a cast copy of x
-        raise _Miss(f"{variant}: its input {x.name} is written in place by {x_writer.name} after it: the "
-                    "fused op keeps x for its backward, which would then fail where eager's (a frozen weight "
-                    "keeps only the weight) does not")
+    kept = linear_operand_writer(x, weight if weight is not None else mat2,
+                                 {linear, *filter(None, [view]), *adds, h, *region}, end, copied=autocast)
+    if kept is not None:  # (before the GELU ends: written_before_end)
+        what, operand, writer = kept
+        raise _Miss(f"{variant}: its {what} {operand.name} is written in place by {writer.name} after it: "
+                    "the fused op keeps it for its backward, which would then fail where eager's (the other "
+                    "operand needs no gradient: the matmul keeps only that one) does not")
     biases = [b for b in (bias, *(b for _, b in added)) if b is not None]
     if _slower_than_unfused(x, weight, mat2, *biases):
         raise _Miss(f"{variant}: a training graph on CUDA, and dense_training_on_cuda is off "
