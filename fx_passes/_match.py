@@ -207,31 +207,43 @@ def _is_alias_of_arg0(node: torch.fx.Node) -> bool:
     return op_name(node) in _ALIASING or is_in_place(node) or _dropout_returns_input(node)  # x.mul_(2): x
 
 
-def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ()) -> list[torch.fx.Node]:
-    """The nodes outside allowed that write into node's memory: into node itself, into what node is a view
-    of, into another view of that, or through the result of a write (``out=`` included; allowed nodes'
-    results and views are followed too). Where such a write runs decides what each reader sees, so a pass
-    that moves or merges the readers must mind them."""
-    allowed = set(allowed)
+def storage_family(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]:
+    """(base, members, writers) of node's memory: base is node seen up through what it aliases (views, the
+    results of in-place calls); members are base and every node that may alias it (views of views, the
+    result of a write, which is the tensor written: ``m = torch.ones(S, S).tril_(); m[0] = 0`` writes the
+    ones tensor, review s29); writers the nodes that write into a member (in place, item assignment,
+    ``out=``). Members and writers in graph order when there are writers."""
     base = node
     while _is_alias_of_arg0(base):
         base = base.args[0]
-    writers, pending, seen = [], [base], set()
+    members, writers, pending, seen = [], [], [base], set()
     while pending:
         n = pending.pop()
         if n in seen:
             continue
         seen.add(n)
+        members.append(n)
         for u in n.users:
-            if (is_in_place(u) and u.args and u.args[0] is n) or u.kwargs.get("out") is n:
-                # a write; its result is the same memory, and a write through that result
-                # (``m = torch.ones(S, S).tril_(); m[0] = 0``) writes node too (review s29)
-                if u not in allowed:
+            out = u.kwargs.get("out")
+            if out is n or isinstance(out, (list, tuple)) and any(o is n for o in out):
+                writers.append(u)
+                pending.append(u)  # its result is the out= tensor
+            elif _is_alias_of_arg0(u) and u.args[0] is n:
+                if is_in_place(u):
                     writers.append(u)
                 pending.append(u)
-            elif _is_alias_of_arg0(u) and u.args[0] is n:
-                pending.append(u)
-    return writers
+    if not writers:
+        return base, members, writers
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return base, sorted(members, key=order.__getitem__), sorted(set(writers), key=order.__getitem__)
+
+
+def in_place_writers(node: torch.fx.Node, allowed: Iterable[torch.fx.Node] = ()) -> list[torch.fx.Node]:
+    """The nodes outside allowed that write into node's memory (storage_family's writers, in graph order).
+    Where such a write runs decides what each reader sees, so a pass that moves or merges the readers must
+    mind them."""
+    allowed = set(allowed)
+    return [w for w in storage_family(node)[2] if w not in allowed]
 
 
 def written_before_end(pattern: Iterable[torch.fx.Node], end: torch.fx.Node) -> tuple | None:

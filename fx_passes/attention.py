@@ -60,6 +60,7 @@ from fx_passes._match import (
     records_grad,
     state_crossing,
     state_regions,
+    storage_family,
     tensor_meta,
     val,
 )
@@ -205,7 +206,7 @@ def _const_eval(node, memo: dict | None = None, hints: bool | dict = False):
         raise _Skip("reads a graph input")
     if _nondeterministic(node):
         raise _Skip("nondeterministic")
-    base, members, writers = _storage_family(node)
+    base, members, writers = storage_family(node)
     if writers:
         _eval_written(base, members, writers, memo, hints)
         return memo[node]
@@ -264,40 +265,8 @@ def _call_real(node: Node, args_kwargs):
 _METADATA_READS = ("size", "dim", "numel", "nelement", "ndimension", "stride", "is_contiguous")
 
 
-def _storage_family(node: Node) -> tuple[Node, list[Node], list[Node]]:
-    """(base, members, writers) of a node's memory: base is node seen up through its views (_match's
-    generous alias list); members are base and every node that may alias it (views of views, and the
-    results of in-place calls on any of them, which are the tensor written); writers the nodes that write
-    into a member (in place, item assignment, out=). Both in graph order.
-
-    _match.in_place_writers stops at an in-place call: a write through its result (``m =
-    torch.ones(S, S).tril_(); m[0] = 0``) is not among the writers it returns (review s29)."""
-    base = node
-    while _is_alias_of_arg0(base):
-        base = base.args[0]
-    members, writers, pending, seen = [], [], [base], set()
-    while pending:
-        n = pending.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        members.append(n)
-        for u in n.users:
-            out = u.kwargs.get("out")
-            if out is n or isinstance(out, (list, tuple)) and any(o is n for o in out):
-                writers.append(u)
-            elif _is_alias_of_arg0(u) and u.args[0] is n:
-                if is_in_place(u):
-                    writers.append(u)
-                pending.append(u)
-    if not writers:
-        return base, members, writers
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return base, sorted(members, key=order.__getitem__), sorted(set(writers), key=order.__getitem__)
-
-
 def _eval_written(base: Node, members: list[Node], writers: list[Node], memo: dict, hints):
-    """Evaluate a tensor written in place, and every view of it (members, _storage_family), into memo.
+    """Evaluate a tensor written in place, and every view of it (members, _match.storage_family), into memo.
 
     A mask built by statements, ``m = torch.full((S, S), -inf); m.triu_(1)``, ``m[:, :p] = 0``,
     ``keep = torch.ones(S, S, dtype=bool); keep[None].tril_()``, is a constant as much as
@@ -2331,10 +2300,9 @@ def _settle(graph: Graph, before: set, anchor: Node, pattern: set):
     new = [n for n in graph.nodes if n not in before]
     new_set = set(new)
     inputs = {x for n in new for x in n.all_input_nodes if x not in new_set}
-    # every write into x's memory, also through the result of an in-place call on it (_storage_family;
-    # _match.in_place_writers misses those: ``kc = cache.mul_(1); q @ kc.mT ..; kc[..., 0] = 0`` was fused
-    # with the write moved before the read of k; review s29)
-    writes = {x: [w for w in _storage_family(x)[2] if w not in pattern and w not in new_set] for x in inputs}
+    # every write into x's memory, also through the result of an in-place call on it (``kc = cache.mul_(1);
+    # q @ kc.mT ..; kc[..., 0] = 0`` was fused with the write moved before the read of k; review s29)
+    writes = {x: in_place_writers(x, pattern | new_set) for x in inputs}
     if any(writes.values()):
         order = {n: i for i, n in enumerate(graph.nodes)}
         # what the pattern's value depends on: the pattern and its ancestors (a mask's factors, k before its
