@@ -10,8 +10,10 @@ what it lacks is warp specialisation and asynchronous wgmma, which Gluon exposes
 - a producer warp streams the query blocks (BLOCK_M rows of Q and dO, TMA) through a STAGES-deep ring,
   for every query head of the kv head's GQA group in turn (dK / dV of a group sum in registers, no atomics);
 - per query block each consumer computes, transposed so that its key rows are wgmma's M:
-      S^T = K Q^T,  dP^T = V dO^T             (asynchronous, issued together)
-      P^T = exp2(S^T * scale * log2 e - lse),  dS^T = P^T (dP^T - delta)
+      S^T = K Q^T - lse / scale,  dP^T = V dO^T - delta
+                                              (asynchronous, issued together, each accumulator starting
+                                               from the query statistics: lse in base 2, loaded a block ahead)
+      P^T = exp2(S^T * scale * log2 e),  dS^T = P^T dP^T
       dV += P^T dO,  dK += dS^T Q             (P^T and dS^T straight from registers, as wgmma's A)
   and dS^T goes to shared memory, where both warpgroups' halves form dS for the 128 keys:
       dQ[:, half] = dS K[:, half]             (each warpgroup one half of head_dim, or, at head_dim 64,
@@ -87,8 +89,13 @@ KEYS_PER_CONSUMER = 64  # wgmma's M for one warpgroup
 BLOCK_N = 2 * KEYS_PER_CONSUMER  # keys a CTA: two consumer warpgroups
 # head_dim -> (BLOCK_M, STAGES): query rows an iteration and the depth of the Q / dO ring, the faster of
 # bench/attention_gluon_bwd_probe.py's on the H200 (3 stages 1.00-1.07x 2 at head_dim 128 except GQA, 0.99x;
-# a tie at 64). BLOCK_M 128 at head_dim 64 spills 632 bytes (sm_90 ptxas).
-CONFIGS = {64: (64, 2), 128: (64, 3)}
+# a tie at 64). BLOCK_M 128 at head_dim 64 spilled 500-600 bytes while the query statistics were live through
+# the softmax; since the products start from them (_consumer) it spills 180 and measured 1.02-1.07x BLOCK_M
+# 64 from 1024 query rows, 0.95-0.99x below (bench/logs/attention_gluon_bwd_acc_init_ab_s30_h200.log).
+# Head_dim 128 at BLOCK_M 128 does not fit shared memory.
+CONFIGS = {64: (128, 2), 128: (64, 3)}
+SHORT_SEQ_Q_CONFIG_64 = (64, 2)  # head_dim 64 below SHORT_SEQ_Q query rows: fewer blocks to fill the ring
+SHORT_SEQ_Q = 1024
 # head_dim 256 has a kernel of its own (kernels/attention_bwd_hopper_256.py: the warpgroups split head_dim,
 # not the keys); its config is the depth of its Q and dO rings
 HEAD_DIMS = (*CONFIGS, 256)
@@ -133,11 +140,12 @@ if GLUON_AVAILABLE:
         return n0, batch, kv_head, q_block_start, n_q_blocks
 
     @gluon.jit
-    def _query_stats(LSE, DELTA, row, seq_q, queries):
+    def _query_stats(LSE, DELTA, row, seq_q, queries, valid):
         """The logsumexp (in base 2, as the kernels work; +inf past seq_q, so that P is 0 there) and delta =
-        rowsum(dO * O) of these queries of (batch * heads) row `row`. Shared by both Gluon backwards."""
+        rowsum(dO * O) of these queries of (batch * heads) row `row`; those of no query where `valid` is
+        false (a load ahead past the last block). Shared by both Gluon backwards."""
         row_base = row.to(gl.int64) * seq_q
-        in_q = queries < seq_q
+        in_q = (queries < seq_q) & valid
         lse = gl.load(LSE + row_base + queries, mask=in_q, other=float("inf"))
         lse = lse * 1.4426950408889634  # log2(e)
         delta = gl.load(DELTA + row_base + queries, mask=in_q, other=0.0)
@@ -194,6 +202,9 @@ if GLUON_AVAILABLE:
                                                             instr_shape=[16, DQ_COLS, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
+        # the query statistics as they are loaded, an iteration ahead: one value a thread, where col_layout
+        # holds BLOCK_M / 4 (32 registers a vector at BLOCK_M 128)
+        stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
         first_key = n0 + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
@@ -215,6 +226,10 @@ if GLUON_AVAILABLE:
         mbarrier.wait(kv_bar, 0)
 
         n_iter = group * n_q_blocks
+        first_row = batch * num_heads + kv_head * group  # of LSE / DELTA: the group's first query head
+        stat_cols = gl.arange(0, BLOCK_M, layout=stat_layout)
+        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
+                                              q_block_start * BLOCK_M + stat_cols, n_iter > 0)
         for it in range(n_iter):
             head = kv_head * group + it // n_q_blocks
             m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
@@ -222,29 +237,44 @@ if GLUON_AVAILABLE:
             phase = (it // STAGES) & 1
             q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            lse = gl.convert_layout(lse_ahead, col_layout)
+            delta = gl.convert_layout(delta_ahead, col_layout)
+            ahead = it + 1  # the next block's, whose load then has this iteration to arrive
+            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + ahead // n_q_blocks, seq_q,
+                                                  (q_block_start + ahead % n_q_blocks) * BLOCK_M + stat_cols,
+                                                  ahead < n_iter)
+            # The products start from -lse / qk_scale and -delta instead of zero, so that
+            #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
+            # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T
+            # arrive: BLOCK_M 128 at head_dim 64 spilled 500 bytes with them live (now 180), and with the
+            # load ahead this measured 1.10-1.31x the kernel that subtracted them
+            # (bench/logs/attention_gluon_bwd_acc_init_s30_h200.log). The causal mask is S^T's -inf start
+            # (wgmma adds finite products to it) on the blocks that cross the diagonal. qk_scale > 0: the
+            # launcher checks it.
+            s_start = gl.broadcast(gl.expand_dims(-(lse / qk_scale), 0), zero_s)[0]
+            if CAUSAL:
+                if m0 < first_key + KEYS:  # the block has queries before some of these keys
+                    queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+                    s_start = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), s_start,
+                                       float("-inf"))
+            dp_start = gl.broadcast(gl.expand_dims(-delta, 0), zero_s)[0]
             mbarrier.wait(q_ready.index(stage), phase)
-            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_start, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
-            dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # these queries' logsumexp and delta, loaded while the products run
-            queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries)
+            dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), dp_start, is_async=True)
             if HAS_MASK:  # the padding mask's bias of these keys for this head (base 2, -inf past seq_k)
                 bias_row = BIAS + (batch * mask_row_b + head * mask_row_h).to(gl.int64) * bias_len
                 bias = gl.load(bias_row + keys)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
             if HAS_MASK:
-                p = gl.exp2(s * qk_scale + gl.expand_dims(bias, 1) - gl.expand_dims(lse, 0))
+                p = gl.exp2(s * qk_scale + gl.expand_dims(bias, 1))
             else:
-                p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
-            if CAUSAL:
-                if m0 < first_key + KEYS:  # the block has queries before some of these keys
-                    p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), p, 0.0)
+                p = gl.exp2(s * qk_scale)
             # dV's product goes out before dP is waited for
             dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
             dp, _, _ = warpgroup_mma_wait(1, deps=(dp_tok, v_smem, do_smem))
-            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            ds = (p * dp).to(dtype)
             ds_op = gl.convert_layout(ds, op_layout)
             dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
 
@@ -407,7 +437,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None, mask: boo
 
         return attention_bwd_hopper_256.compile_sm90(dtype, causal,
                                                      config=config or attention_bwd_hopper_256.CONFIG)
-    block_m, stages = config or CONFIGS[head_dim]
+    block_m, stages = config or CONFIGS[head_dim]  # (SHORT_SEQ_Q_CONFIG_64 compiles the same code)
     tiles = [("q_desc", block_m, head_dim), ("k_desc", KEYS_PER_CONSUMER, head_dim),
              ("v_desc", KEYS_PER_CONSUMER, head_dim), ("do_desc", block_m, head_dim),
              ("dk_desc", KEYS_PER_CONSUMER, head_dim), ("dv_desc", KEYS_PER_CONSUMER, head_dim)]
@@ -451,6 +481,9 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
 
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if not scale > 0:
+        raise ValueError(f"attention_backward_hopper_launch: scale must be > 0 (the products start from "
+                         f"-logsumexp / scale), got {scale}")
     if B * H * Sq == 0 or Sk == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return
@@ -474,7 +507,7 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
                                         config=config or attention_bwd_hopper_256.CONFIG,
                                         rows_per_group=rows_per_group)
     else:
-        block_m, stages = config or CONFIGS[D]
+        block_m, stages = config or (SHORT_SEQ_Q_CONFIG_64 if D == 64 and Sq < SHORT_SEQ_Q else CONFIGS[D])
         dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), *_dq_tile(block_m, D))
         bias, key_ranges, _, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
         grid = (cdiv(Sk, BLOCK_N), B * Hkv)

@@ -145,7 +145,7 @@ if GLUON_AVAILABLE:
             dp_tok = warpgroup_mma(v_smem, do_cols, zero_s, use_acc=False, is_async=True)
             # these queries' logsumexp and delta, loaded while the products run
             queries = m0 + c0 + gl.arange(0, COLS, layout=col_layout)
-            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries)
+            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries, True)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))

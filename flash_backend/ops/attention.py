@@ -457,8 +457,10 @@ def _attention_backward_impl(dout, q, k, v, out, lse, attn_mask, seed, dropout_p
     if kernels and config.hopper_attention_backward:
         from flash_backend.kernels.attention_bwd_hopper import hopper_backward_supported
 
-        if hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right, bottom_right,
-                                     deterministic, compute_dbias):
+        # scale > 0: the Gluon backward's products start from -logsumexp / scale
+        # (attention_bwd_hopper._consumer)
+        if scale > 0 and hopper_backward_supported(q, k, v, attn_mask, dropout_p, window_left, window_right,
+                                                   bottom_right, deterministic, compute_dbias):
             causal = window_right == 0
             if launch is plain_launch:  # the eager fast path: no dispatcher
                 dq, dk, dv = _hopper_backward(dout, q, k, v, out, lse, scale, causal, attn_mask)
