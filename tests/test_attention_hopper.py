@@ -108,7 +108,9 @@ ROUTING = {
     "fp16": (dict(dtype=torch.float16), {}, True),
     "fp32": (dict(dtype=torch.float32), {}, False),
     "head_dim_64": (dict(D=64), {}, True),  # three consumer warpgroups
-    "head_dim_64_causal": (dict(D=64), dict(window_right=0), False),  # MIN_SEQ_Q_CAUSAL_64
+    "head_dim_64_causal": (dict(D=64), dict(window_right=0), True),
+    # MIN_SEQ_Q_CAUSAL_64
+    "head_dim_64_causal_short": (dict(D=64, B=16, Sq=1024, Sk=1024), dict(window_right=0), False),
     "head_dim_64_causal_long": (dict(D=64, B=4, Sq=4096, Sk=4096), dict(window_right=0), True),
     "head_dim_256": (dict(D=256), dict(window_right=0), True),
     "head_dim_96": (dict(D=96), {}, False),

@@ -20,7 +20,10 @@ from flash_backend.kernels.attention_bwd import attention_backward_launch
 from flash_backend.kernels.attention_fwd import attention_forward_launch
 
 SHAPES = [(16, 16, 1024), (8, 16, 2048), (4, 16, 4096)]  # B, H, S at head_dim 64, causal
-GLUON_FWD_CONFIGS = [(128, 2, False, 3), (64, 2, False, 3), (128, 2, True, 2), (64, 2, False, 2)]
+# (BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES); session 30 added the RAW_SCORES ones (the routed
+# configuration since 946d3b3 first)
+GLUON_FWD_CONFIGS = [(128, 2, False, 3, True), (64, 2, False, 3, True), (128, 2, True, 2, True),
+                     (128, 2, False, 3), (64, 2, False, 2)]
 ARGS = (None, None, 0.0, 0.125, -1, 0, False)  # no mask, no dropout, scale, causal top-left
 
 

@@ -15,7 +15,8 @@ bench/NOTES_attention.md). Gluon, Triton's explicit-layout language, exposes tha
   one's softmax overlaps another's matrix products.
 bench/attention_gluon_probe.py measured it (bench/logs/attention_gluon_probe*_h200.log) at 0.92-0.98x
 cuDNN and 1.16-1.21x our Triton forward at head_dim 128, 0.98-1.02x cuDNN at 256, and with three consumers
-0.94-0.98x at 64 non-causal; causal head_dim 64 beats the Triton forward from 4096 query rows (session 25).
+0.94-0.98x at 64 non-causal; causal head_dim 64 beats the Triton forward from 4096 query rows (session 25),
+from 2048 with the FMA softmax (session 30).
 
 Scope (`hopper_forward_supported` decides; everything else runs kernels/attention_fwd.py): fp16 / bf16,
 (head_dim, causal) in CONFIGS, no mask but a padding one (one row of keys per (batch, head), bool or
@@ -67,8 +68,9 @@ MIN_SCORES = 1 << 28  # B * H * Sq * Sk
 MIN_SEQ_Q_THREE_CONSUMERS = 2048
 # Head_dim 64 causal: with each warpgroup skipping the key blocks past its own rows (session 25), 1.07x /
 # 1.17x the Triton forward at Sq = 4096 / 8192, 0.97x at 2048
-# (bench/logs/attention_gluon_causal_skip_s25_h200.log).
-MIN_SEQ_Q_CAUSAL_64 = 4096
+# (bench/logs/attention_gluon_causal_skip_s25_h200.log); with the FMA softmax (RAW_SCORES) 1.16x / 1.07x at
+# 4096 / 2048, 0.88x at 1024 (kernels alone, bench/logs/attention_causal64_routing_s30_h200.log).
+MIN_SEQ_Q_CAUSAL_64 = 2048
 # (BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES) per (head_dim, causal) routed here: the fastest of
 # bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
 # (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
