@@ -19,9 +19,13 @@ evaluated at compile time: a causal one becomes ``is_causal=True`` (bottom-right
 ``causal_alignment="bottom_right"``, for the band of KV-cache decoding with Sq < Sk) and an all-visible one
 disappears. So are masks built by statements (in-place writes, also through views or in-place results,
 when every read comes after them) and from a template read for its shape only (``q.new_ones(S,
-S).tril()``); a graph input (a registered buffer) never is. q and k cast up to fp32 for the scores of
-half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are taken before their
-casts (_strip_score_upcasts).
+S).tril()``) or cast with one (``m.type_as(q)``, ``m.to(q)``: Meta's Llama reference); a graph input (a
+registered buffer) never is. q and k cast up to fp32 for the scores of half-precision attention (GPT-J),
+with the probabilities cast back to v's dtype, are taken before their casts (_strip_score_upcasts).
+
+Under autocast (around the compiled call or a region inside it) q·kᵀ, ·v and SDPA compute in the autocast
+dtype from fp32 (or mixed) operands, which they cast: the op gets q, k, v (and SDPA's float attn_mask,
+baddbmm's bias) cast the same way in the graph (_autocast_dtype), and returns eager's dtype.
 
 The walk also sees through views / reshapes of the scores and probabilities that split or merge their
 leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to (B, H, S, S) for the mask
@@ -234,7 +238,8 @@ def _real_args(node: Node, memo: dict, hints, live: dict | None = None):
     holds for the members of a written tensor's family. A like-factory's template, read for its metadata
     only (_reads_metadata_only), is an empty tensor of its shape, dtype and device."""
     sizes = hints if isinstance(hints, dict) else None
-    template = node.args[0] if op_name(node) in _LIKE_FACTORIES and node.args else None
+    pos = _template_position(node)
+    template = node.args[pos] if pos is not None and len(node.args) > pos else None
     if not (isinstance(template, Node) and _reads_metadata_only(node, template)):
         template = None
 
@@ -243,6 +248,11 @@ def _real_args(node: Node, memo: dict, hints, live: dict | None = None):
             return live[a]
         if template is not None and a is template:
             meta = tensor_meta(a)
+            if pos:  # a cast's template: its dtype and device only (m.type_as(q), m.to(q))
+                if meta is None:
+                    raise _Skip("a template without a tensor value")
+                with _real_mode():
+                    return torch.empty(0, dtype=meta.dtype, device=meta.device)
             if meta is None or not (hints or _is_static(meta)):
                 raise _Skip("a template without a static tensor value")
             shape = [_hint(d, sizes) if hints else d for d in meta.shape]
@@ -600,9 +610,11 @@ class _Masks:
     def _constant_parts(self) -> list[tuple[Node, object, bool]]:
         """(mask, part, value is a keep mask) for each part of the masks that may be a constant."""
         candidates: list[tuple[Node, object, bool]] = []  # (mask, constant part, value is a keep mask)
+        # A masked-positions condition or-ed from a constant and a runtime term (``triu(0) | ~pad``) is looked
+        # at term by term, as a keep mask's factors are: its constant term's dead row went unseen (review
+        # s30: rewritten, 0 where eager gives NaN or the average of v).
         for node, negate in self.keeps:
-            for factor in [node] if negate else _keep_factors(node):
-                candidates.append((node, factor, not negate))
+            candidates += [(node, part, is_keep) for part, is_keep in _visible_parts(node, negate)]
         for node in self.additive:
             candidates.append((node, node, False))
             # transformers' where(keep, 0, finfo.min) with a runtime padding factor: its constant factors
@@ -611,9 +623,9 @@ class _Masks:
                 cond, a, b = where
                 a, b = (None if c is None else float(self.value(node, c)) for c in map(_const_scalar, (a, b)))
                 if a == 0 and b is not None and b <= _ADDITIVE_MASKED:
-                    candidates += [(node, factor, True) for factor in _keep_factors(cond)]
+                    candidates += [(node, part, is_keep) for part, is_keep in _visible_parts(cond, False)]
                 elif b == 0 and a is not None and a <= _ADDITIVE_MASKED:
-                    candidates.append((node, cond, False))
+                    candidates += [(node, part, is_keep) for part, is_keep in _visible_parts(cond, True)]
         return candidates
 
     def _dead_row_at(self, candidates, sq: int, sk: int, hints: bool | dict) -> Node | None:
@@ -698,11 +710,9 @@ class _Masks:
         keep_node = None
         factors: list[Node] = []
         for node, negate in self.keeps:
-            if negate:
-                factors.append(insert_call(graph, torch.logical_not, (node,), like=like))
-                continue
-            runtime, is_causal = _split_keep(node, sq, sk)
-            factors += runtime
+            runtime, is_causal = _split_keep(node, sq, sk, masked=negate)
+            factors += [part if is_keep else insert_call(graph, torch.logical_not, (part,), like=like)
+                        for part, is_keep in runtime]
             causal = _and_bands(causal, is_causal)
         for k in factors:
             keep_node = (
@@ -838,6 +848,22 @@ def _masked_terms(node) -> list:
     return [node]
 
 
+_NOT = ("invert", "logical_not", "bitwise_not")
+
+
+def _visible_parts(cond, masked: bool) -> list[tuple[object, bool]]:
+    """(part, is_keep) pairs whose visible keys, ANDed, are cond's: a keep condition's factors (a & b & ...,
+    is_keep True: visible where the part holds), a masked-positions condition's terms (a | b | ..., is_keep
+    False: visible where the part does not hold), seen through a negation (``masked_fill(~(a & b), ..)``
+    masks where the keep condition a & b fails)."""
+    if isinstance(cond, Node) and op_name(cond) in _NOT and len(cond.args) == 1 and not cond.kwargs \
+            and isinstance(cond.args[0], Node) and _dtype(cond.args[0]) == torch.bool:
+        return _visible_parts(cond.args[0], not masked)
+    if masked:
+        return [(t, False) for t in _masked_terms(cond)]
+    return [(f, True) for f in _keep_factors(cond)]
+
+
 def _additive_parts(node, depth: int = 8) -> list:
     """An additive mask, its terms (m1 + m2, seen through expand and casts: used to refuse only) and, for
     ``where(cond, 0, fill)`` / ``where(cond, fill, 0)``, the factors or terms of its condition."""
@@ -859,33 +885,42 @@ def _additive_parts(node, depth: int = 8) -> list:
     return parts
 
 
-def _split_keep(node: Node, sq: int, sk: int) -> tuple[list[Node], bool]:
-    """A bool keep-mask as (runtime factors, causal): constant factors that keep everything are dropped,
-    a constant causal factor becomes the causal band. The runtime factors keep their own (smaller)
+def _split_keep(node: Node, sq: int, sk: int, masked: bool = False) -> tuple[list[tuple[Node, bool]], bool]:
+    """A bool keep-mask as (runtime parts, causal): constant factors that keep everything are dropped,
+    a constant causal factor becomes the causal band. The runtime parts keep their own (smaller)
     broadcast shapes, so a padding mask reaches the kernel as one row per batch, not (B, 1, Sq, Sk).
-    Exact: visible = AND of the factors, and the band is the causal factor."""
-    factors = _keep_factors(node)
+    Exact: visible = AND of the parts' visible keys (_visible_parts), and the band is the causal factor.
+
+    masked: node marks the masked positions instead (masked_fill's condition, a where's with the scores
+    second), a | b | ...: a padding mask and a constant triu(1) filled in turn, or or-ed, become the padding
+    mask and the causal band (review s30: the whole mask before). Each runtime part is (part, is_keep):
+    visible where it holds (is_keep) or where it does not."""
+    parts = _visible_parts(node, masked)
     runtime, constant = [], None
-    for f in factors:
+    for part, is_keep in parts:
         try:
-            value = _const_eval(f)
+            value = _const_eval(part)
         except Exception:  # noqa: BLE001 - a runtime factor
-            runtime.append(f)
+            runtime.append((part, is_keep))
             continue
         # Compile-time constants are compared on the CPU, whatever device the model runs on.
         value = torch.as_tensor(value).to(torch.bool).cpu()
+        value = value if is_keep else ~value
         constant = value if constant is None else constant & value
+    whole = [(node, not masked)]
     if constant is None:
-        return (runtime if len(factors) > 1 else [node]), False
+        return (runtime if len(parts) > 1 else whole), False
+    if not (isinstance(sq, int) and isinstance(sk, int)):
+        return whole, False  # a constant against symbolic sizes: kept whole (an internal error before)
     if constant.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)) and constant.dim() >= 2:
-        return [node], False
+        return whole, False
     constant = constant.broadcast_to(constant.shape[:-2] + (sq, sk)) if constant.dim() >= 2 else constant
     if bool(constant.all()):
         return runtime, False
     causal = _causal_kind(constant)
     if causal:
         return runtime, causal
-    return [node], False
+    return whole, False
 
 
 def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> Node:
@@ -899,10 +934,12 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
     if _dtype(cond) != torch.bool:
         return node
     runtime, causal = _split_keep(cond, sq, sk)
-    if causal or not runtime or runtime == [cond]:
+    if causal or not runtime or runtime == [(cond, True)]:
         return node
-    keep = runtime[0]
-    for k in runtime[1:]:
+    keeps = [part if is_keep else insert_call(graph, torch.logical_not, (part,), like=like)
+             for part, is_keep in runtime]
+    keep = keeps[0]
+    for k in keeps[1:]:
         keep = insert_call(graph, torch.logical_and, (keep, k), like=like)
     return insert_call(graph, torch.where, (keep, where[1], where[2]), like=like)
 
@@ -925,8 +962,8 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
         # an augmented assignment left in place (on a view) is reported by the walk, not ignored
         return _reaches_matmul(node.args[0], depth - 1, seen)
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
-        # operands by position or keyword (torch.mul(s, other=c))
-        return any(_reaches_matmul(a, depth - 1, seen) for a in node.all_input_nodes)
+        # operands by position or keyword (torch.mul(s, other=c)); not a cast's template (m.type_as(s))
+        return any(_reaches_matmul(a, depth - 1, seen) for a in _value_inputs(node))
     return False
 
 
@@ -989,7 +1026,7 @@ def _softcapped(node, depth: int = 16, seen: set | None = None) -> bool:
             _reaches_matmul(node.args[0]) or _softcapped(node.args[0], depth - 1, seen)
         )
     if name in _RESHAPES + _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "where", "sub"):
-        return any(_softcapped(a, depth - 1, seen) for a in node.all_input_nodes)
+        return any(_softcapped(a, depth - 1, seen) for a in _value_inputs(node))
     return False
 
 
@@ -1198,13 +1235,31 @@ _LIKE_FACTORIES = ("full_like", "zeros_like", "ones_like", "empty_like", "new_fu
                    "new_empty")
 
 
+# Casts that take a tensor as a template for its dtype and device only: ``m.type_as(t)``, ``m.to(t)``.
+_TEMPLATE_CASTS = ("type_as", "to")
+
+
+def _template_position(node) -> int | None:
+    """Where node takes a tensor it reads the metadata of only: a like-factory's first argument (0), a cast's
+    template (1: ``mask.type_as(scores)``, Meta's Llama ``mask.type_as(h)``); else None."""
+    name = op_name(node) if isinstance(node, Node) else None
+    return 0 if name in _LIKE_FACTORIES else 1 if name in _TEMPLATE_CASTS else None
+
+
 def _reads_metadata_only(user: Node, template: Node) -> bool:
-    """`torch.full_like(scores, -inf)`: a use of the scores that never reads their values."""
-    if op_name(user) not in _LIKE_FACTORIES or user.args[0] is not template:
+    """`torch.full_like(scores, -inf)`, `mask.type_as(scores)`: a use of the scores that never reads their
+    values."""
+    pos = _template_position(user)
+    if pos is None or len(user.args) <= pos or user.args[pos] is not template:
         return False
     reads: list[Node] = []
-    torch.fx.node.map_arg((user.args[1:], user.kwargs), reads.append)
+    torch.fx.node.map_arg((user.args[:pos], user.args[pos + 1:], user.kwargs), reads.append)
     return template not in reads
+
+
+def _value_inputs(node: Node) -> list[Node]:
+    """The nodes whose values node reads: its inputs less a template read for its metadata only."""
+    return [a for a in node.all_input_nodes if not _reads_metadata_only(node, a)]
 
 
 def _fill_value(fill) -> float | None:
@@ -1844,7 +1899,8 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
 def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
     """(k before its heads were repeated, the repeat count) for a 4-d k whose heads are dim head_dim
     (1 in (B, H, S, D); 2 in transformers' (B, S, H, D), permuted for the op): ``repeat_interleave`` over
-    the heads, or Llama's ``repeat_kv`` (unsqueeze + expand + reshape, (B, H, S, D) only); else (node, 1)."""
+    the heads, or Llama's ``repeat_kv`` (unsqueeze + expand + reshape or flatten(1, 2), (B, H, S, D) only);
+    else (node, 1)."""
     name = op_name(node)
     if name == "repeat_interleave":
         repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
@@ -1855,7 +1911,8 @@ def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
         return node, 1
     if head_dim != 1:
         return node, 1
-    if name in ("reshape", "view") and isinstance(node.args[0], Node):
+    # (flatten(1, 2) merges the same dims row-major as the reshape: the shapes below prove which)
+    if name in ("reshape", "view", "flatten") and isinstance(node.args[0], Node):
         expanded = node.args[0]
         if op_name(expanded) != "expand" or not isinstance(expanded.args[0], Node):
             return node, 1
@@ -2140,11 +2197,27 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         raise _Skip(
             f"the softmax input {list(sm_shape)} is not the shape of the q·kᵀ scores {list(scores_shape)}"
         )
-    _strip_score_upcasts(cand, probs)
-    src = _dtype(cand.q)
-    if not (src == _dtype(cand.k) == _dtype(cand.v) == _dtype(pv)):
+    # Under autocast q·kᵀ and ·v compute in the autocast dtype, casting their operands: the op gets q, k
+    # and v cast the same way (review s30: such attention was left alone as "dtypes differ").
+    autocast = {}
+    for mm_node, operands in ((mm, (cand.q, cand.k)), (pv, (cand.v,))):
+        compute = _autocast_dtype(mm_node, operands)
+        if compute is not None:
+            autocast.update({t: compute for t in operands if _dtype(t) != compute})
+    if autocast:
+        bias = arg(mm, 0, "input") if op_name(mm) == "baddbmm" else None
+        if bias is not None and bias in cand.masks.additive:
+            # baddbmm casts its input too: the mask the op adds is that cast
+            if _dtype(bias) not in _AUTOCAST_CASTS:
+                raise _Skip(f"baddbmm's {_dtype(bias)} input under autocast: autocast leaves it as it is")
+            if _dtype(bias) != _dtype(mm):
+                cand.masks.casts[bias] = _dtype(mm)
+    else:
+        _strip_score_upcasts(cand, probs)
+    src, k_dtype, v_dtype = (autocast.get(t, _dtype(t)) for t in (cand.q, cand.k, cand.v))
+    if not (src == k_dtype == v_dtype == _dtype(pv)):
         raise _Skip(
-            f"q, k, v and the output dtypes differ ({src}, {_dtype(cand.k)}, {_dtype(cand.v)}, {_dtype(pv)})"
+            f"q, k, v and the output dtypes differ ({src}, {k_dtype}, {v_dtype}, {_dtype(pv)})"
         )
     for node in [n for n in cand.chain if op_name(n) in _CASTS] + ([softmax] if sm_dtype is not None else []):
         if not _precise_enough(_dtype(node), src):
@@ -2195,7 +2268,13 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
 
     before = set(graph.nodes)
     try:
-        q_in = _permuted(graph, cand.q, cand.q_perm, softmax)
+        # (autocast's casts: an un-repeated k or v is cast before it is handed to the op)
+        q_node, k_node, v_node = (
+            insert_call(graph, torch.Tensor.to, (node, autocast[orig]), like=softmax)
+            if orig in autocast else node
+            for node, orig in ((cand.q, cand.q), (k_node, cand.k), (v_node, cand.v))
+        )
+        q_in = _permuted(graph, q_node, cand.q_perm, softmax)
         for kind, factor, _ in cand.q_scales:
             q_in = insert_call(graph, torch.mul if kind == "mul" else torch.div, (q_in, factor), like=softmax)
         k_in = _permuted(graph, k_node, cand.k_perm, softmax)
@@ -2410,7 +2489,7 @@ def _check_kept_not_written(graph: Graph, before: set, anchor: Node, pattern: se
                         "unfused ops, which do not keep it here, train")
 
 
-def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, autocast=None):
     """The backend SDPA picks for these example (fake) inputs, as it does when Inductor traces the call;
     None when that cannot be asked (non-constant arguments, a build without the device's kernels).
 
@@ -2427,6 +2506,9 @@ def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, e
     if not is_number(args[4]) or not (args[5] is None or is_number(args[5])):
         return None
     try:
+        if autocast is not None:  # the dtype SDPA sees at run time (autocast's casts)
+            args[:4] = [t.to(autocast) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CASTS else t
+                        for t in args[:4]]
         choice = torch._fused_sdp_choice(*args[:3], args[3], float(args[4]), is_causal,
                                          scale=None if args[5] is None else float(args[5]),
                                          enable_gqa=bool(enable_gqa))
@@ -2434,6 +2516,22 @@ def _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, e
     except Exception as exc:  # e.g. no CUDA kernels in this build: treat as "fused", the safe default
         log.debug("flash_backend: could not ask SDPA for its backend choice: %s", exc)
         return None
+
+
+# Floating dtypes autocast casts to its lower-precision dtype (it leaves float64 as it is).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast_dtype(node: Node, operands) -> torch.dtype | None:
+    """The dtype node (q·kᵀ, ·v, an SDPA call) computes in under autocast: a half-precision dtype it returns
+    from operands of which some have another float32 / float16 / bfloat16 dtype, which autocast casts to it.
+    Only autocast does that (these ops refuse operands of mixed dtypes and return theirs). Else None, and the
+    callers' dtype checks decide (``torch.bmm(.., out_dtype=torch.float32)`` returns a higher one)."""
+    out = _dtype(node)
+    dtypes = {_dtype(t) for t in operands}
+    if out not in (torch.float16, torch.bfloat16) or dtypes == {out} or not dtypes <= set(_AUTOCAST_CASTS):
+        return None
+    return out
 
 
 def _rewrite_sdpa(graph: Graph, node: Node):
@@ -2446,8 +2544,13 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     if not all(isinstance(t, Node) and tensor_meta(t) is not None for t in (q, k, v)):
         raise _Skip("q, k, v are not tensors")
     variant = "scaled_dot_product_attention"
+    # Under autocast SDPA casts q, k and v (also of different dtypes: q and k normed in fp32, v not)
+    compute = _autocast_dtype(node, (q, k, v))
+    if compute is None and not (_dtype(q) == _dtype(k) == _dtype(v)):
+        raise _Skip("q, k, v dtypes differ")
     if tensor_meta(q).device.type == "cuda" and not flash_config.route_sdpa_calls_on_cuda:
-        backend = _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        backend = _sdpa_backend_when_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            compute)
         if backend is None or backend != torch.nn.attention.SDPBackend.MATH:
             raise _Skip(
                 f"SDPA runs a fused CUDA kernel here ({backend.name if backend is not None else 'unknown'}) "
@@ -2473,8 +2576,13 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     if ndim == 3:
         q_shape, k_shape, v_shape = ((1,) + s for s in (q_shape, k_shape, v_shape))
     dtype = _dtype(q)
-    if not (dtype == _dtype(k) == _dtype(v)):
-        raise _Skip("q, k, v dtypes differ")
+    if compute is not None:
+        # Under autocast (a region in the graph, or entered around the compiled call) SDPA casts q, k, v and
+        # a float attn_mask to the autocast dtype and returns that dtype; the op, which autocast does not
+        # touch, gets them cast the same way in the graph (review s30: it ran in fp32 and returned fp32
+        # where eager returns bfloat16).
+        variant += f" (autocast to {str(compute).removeprefix('torch.')})"
+        dtype = compute
     if k_shape[1] != q_shape[1] and not enable_gqa:
         if not (_holds(k_shape[1] == 1) and _holds(v_shape[1] == 1)):
             raise _Skip("k/v heads differ from q heads without enable_gqa (SDPA raises)")
@@ -2498,6 +2606,10 @@ def _rewrite_sdpa(graph: Graph, node: Node):
             if _dtype(attn_mask) == torch.bool
             else masks.additive.append(attn_mask)
         )
+        if compute is not None and _dtype(attn_mask) != torch.bool and _dtype(attn_mask) != compute:
+            if _dtype(attn_mask) not in _AUTOCAST_CASTS:
+                raise _Skip(f"a {_dtype(attn_mask)} attn_mask under autocast: autocast leaves it as it is")
+            masks.casts[attn_mask] = compute  # the values autocast hands SDPA
         masks.check(scores_shape)
         # A float mask that leaves a query row without a key: eager SDPA gives the average of v there with a
         # finite fill (finfo.min), the op 0. Checked as the softmax path does, so also at the other sizes a
@@ -2512,6 +2624,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
 
     before = set(graph.nodes)
     try:
+        if compute is not None:
+            q, k, v = (insert_call(graph, torch.Tensor.to, (t, compute), like=node) for t in (q, k, v))
         if ndim == 3:
             q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
         mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
