@@ -57,6 +57,8 @@ def functionalize_in_place(graph: Graph) -> None:
         base = node.args[0]
         if op_name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
             continue
+        if base.kwargs.get("out") is not None:  # torch.add(a, b, out=buf) returns buf: not a new tensor
+            continue
         try:
             result = fake_call(getattr(torch.Tensor, name), node.args, node.kwargs)
         except Exception:  # noqa: BLE001 - not computable on the fake values: leave it

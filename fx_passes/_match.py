@@ -250,13 +250,16 @@ def written_before_end(pattern: Iterable[torch.fx.Node], end: torch.fx.Node) -> 
     """(node, writer) for a tensor the pattern reads that is written in place outside it before its last
     node (end), else None. The passes put the fused op right after its inputs: a write that ran between
     an input and the pattern would then come after the op, which would read the value before it. Writes
-    after end are harmless: the op has read by then, and writes to end itself move with end's readers."""
+    after end are harmless: the op has read by then, and writes to end itself move with end's readers.
+    So are writes that ran before the node read was produced, the write's own result among them (XLM's
+    ``h = norm(..); h *= mask`` then ``norm(h + f(h))`` reads ``h *= mask``'s result, the written value,
+    wherever the op runs after it; review s30: that norm was a near miss)."""
     pattern = set(pattern)
     order = {n: i for i, n in enumerate(end.graph.nodes)}
     reads = pattern | {a for n in pattern for a in n.all_input_nodes}
     for node in sorted(reads, key=order.get):
         for writer in in_place_writers(node, pattern):
-            if order[writer] < order[end]:
+            if order[node] < order[writer] < order[end]:
                 return node, writer
     return None
 

@@ -28,10 +28,12 @@ the output of ``F.linear(x, weight, bias)`` (``nn.Linear``) or of a matmul with 
 ``torch.addmm(b, x, w.t())`` with beta = alpha = 1 and a class bias b (ATen's F.linear of a 2-D input), of an
 einsum that is a Linear (``"btd,vd->btv"``, ``"nd,vd->nv"``: _einsum_linear), or of a bias-free one of these
 plus a class bias of shape (V,) or (1, .., 1, V) (BART's ``lm_head(h) + final_logits_bias``), which becomes
-the op's bias. The logits keep every other user: the op returns them too, so a model that
-also returns them (``.logits``) still does. A label_smoothing or ignore_index that dynamic=True made a
-symbolic input (a loss module stored on the model) is specialised, with a guard, once every other check has
-passed.
+the op's bias; or a Linear's output times or over a number s that is a power of two, its only reader (the
+head's logit scale: Cohere's ``logits * logit_scale`` = 1/16, Granite's ``logits / logits_scaling``), fp32 or
+bf16: the op then gets the weight and bias times s (_scale_factor says why that is exact). The logits keep
+every other user: the op returns them too, so a model that also returns them (``.logits``) still does. A
+label_smoothing or ignore_index that dynamic=True made a symbolic input (a loss module stored on the model)
+is specialised, with a guard, once every other check has passed.
 
 The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
 ``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
@@ -53,18 +55,20 @@ step, index, narrow, select or unbind along the class dimension, a new axis, an 
 pick a row twice), a mask computed from the logits, a row selection after a reshape that regrouped the rows, a
 transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), logits that do not come from an
 F.linear (addmm scaled by beta or alpha or with a bias per row, an einsum that sums over rows, reorders them
-or has a weight per batch, a (K, V) weight that is not a transpose), and a tensor the pattern reads that is
-written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the logits written in place
-at all, through any view of them (before the loss it reads the written values; after it, the op's backward
-reads the logits it kept, where eager's reads its log-probabilities), and a target computed from the logits
-(pseudo-labels: the op would need it before it computes them). For the nll_loss form also: a log_softmax over
-another dimension, or in another dtype (fp64, a cast down), log-probabilities used elsewhere too (returned, or
-written in place), and a step between the log_softmax and the nll_loss other than such a reshape or row
-selection (a cast of the log-probabilities, a transpose).
+or has a weight per batch, a (K, V) weight that is not a transpose), a logit scale that is not a power of
+two (``* 0.3``: the weight scaled instead rounds differently) or on fp16 logits, and a tensor the pattern
+reads that is written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the logits
+written in place at all, through any view of them (before the loss it reads the written values; after it, the
+op's backward reads the logits it kept, where eager's reads its log-probabilities), and a target computed
+from the logits (pseudo-labels: the op would need it before it computes them). For the nll_loss form also:
+a log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities used
+elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss other
+than such a reshape or row selection (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 
@@ -436,15 +440,84 @@ def _row_selection(step: torch.fx.Node) -> tuple | None:
     return (torch.narrow if "start" in args else torch.select, (dim, *indices))
 
 
-def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object]:
+def _head_scale(node: object) -> tuple[torch.fx.Node, object, bool] | None:
+    """(the logits, c, whether it divides) when node is a Linear's logits (or those plus an added class bias,
+    _added_bias) times or over a scalar c, the head's own logit scale: Cohere's ``logits *
+    self.logit_scale``, Granite's ``logits / config.logits_scaling``, applied to the logits before anything
+    else reads them; else None. Whether c is a power of two, which makes it the same function, is checked by
+    _scale_factor."""
+    for name in ("mul", "div"):
+        pair = binary_operands(node, name)
+        if pair is None:
+            continue
+        options = (pair, pair[::-1]) if name == "mul" else (pair,)
+        for logits, c in options:
+            if isinstance(logits, torch.fx.Node) and (_is_number(c) or _symbolic_scalar(c)) and \
+                    len(logits.users) == 1 and (_linear_operands(logits) is not None or _added_bias(logits)):
+                return logits, c, name == "div"
+    return None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# A logit scale of at most 2**±16: a weight would then have to be below 2**-110 in magnitude to fall into
+# fp32's or bf16's subnormals (2**-126) when scaled, and above 2**111 to overflow.
+_MAX_SCALE_EXPONENT = 16
+
+
+def _scale_factor(scale: tuple, logits: torch.fx.Node, variant: str) -> float:
+    """The factor s of the logits' scale (c, or 1 / c when it divides) when it is ±2**k, else _Miss.
+
+    The op takes the weight and bias scaled by s instead: ``x @ (s w).t() + s b``. Multiplying by a power of
+    two only moves the exponent, so every product, partial sum and rounding of that GEMM is s times eager's
+    (``s * (x @ w.t() + b)``), and so is the backward's: eager's gradient of x is ``(s g) @ w``, the op's
+    ``g @ (s w)``, and autograd's gradient of ``s * w`` is s times the op's. That holds while the scaled
+    weight stays in its dtype's normal range, which fp32 and bf16 keep for any weight of magnitude 2**-110 to
+    2**111 with |k| <= 16 (_MAX_SCALE_EXPONENT). Any other factor rounds differently (a number times a weight
+    rounded, then summed): not the same function, reported. Nor is a power of two in float16, whose
+    subnormals start at 6e-5: a weight scaled below that (Cohere's 1 / 16 of a 1e-4 weight) loses bits that
+    eager's scaled logits keep. A scale dynamo made a symbolic input (dynamic=True, a module's float
+    attribute) is specialised."""
+    c = _specialise({"scale": scale[0]}, "scale")
+    if not _is_number(c) or c == 0 or not math.isfinite(c):
+        raise _Miss(f"{variant}: the logits are scaled by {c!r}, not a finite nonzero number")
+    factor = 1.0 / c if scale[1] else float(c)
+    if not 2.0**-_MAX_SCALE_EXPONENT <= abs(factor) <= 2.0**_MAX_SCALE_EXPONENT:
+        raise _Miss(f"{variant}: the logits are scaled by {factor!r}, beyond 2**±{_MAX_SCALE_EXPONENT}: the "
+                    "weight scaled instead may leave the normal range of its dtype; not fused")
+    if math.frexp(abs(c))[0] != 0.5:
+        how = "divided" if scale[1] else "multiplied"
+        raise _Miss(f"{variant}: the logits are {how} by {c!r}, not a power of two: the weight scaled "
+                    "instead would round differently; not fused")
+    dtype = getattr(tensor_meta(logits), "dtype", None)
+    if dtype not in (torch.float32, torch.bfloat16) and factor != 1.0:
+        raise _Miss(f"{variant}: {dtype} logits scaled by {factor!r}: the weight scaled instead may leave "
+                    "float16's normal range; not fused")
+    return factor
+
+
+def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, object,
+                                                     object]:
     """(the F.linear node (or ``x @ w.t()``, _linear_operands), the chain between it and the cross-entropy,
-    whether the chain upcasts, a bias added to the Linear's output in the chain or None)."""
+    whether the chain upcasts, a bias added to the Linear's output in the chain or None, the scale of the
+    logits (_head_scale: (c, whether it divides, the scaled logits' node)) or None)."""
     chain, upcast, node = [], False, ce_input
     while _linear_operands(node) is None:
         added = _added_bias(node)
         if added is not None:
             chain.append(node)
-            return added[0], chain, upcast, added[1]
+            return added[0], chain, upcast, added[1], None
+        scaled = _head_scale(node)
+        if scaled is not None:
+            logits, c, divides = scaled
+            chain.append(node)
+            added = _added_bias(logits) if _linear_operands(logits) is None else None
+            if added is not None:
+                chain.append(logits)
+                return added[0], chain, upcast, added[1], (c, divides, node)
+            return logits, chain, upcast, None, (c, divides, node)
         if isinstance(node, torch.fx.Node) and node.op == "placeholder":
             raise _Miss(f"the logits ({node.name}) are an input of this graph (computed in another one, e.g. "
                         "before a graph break): there is no Linear here to fuse with")
@@ -466,7 +539,7 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
                         "of rows (an index or slice not along the class dimension)")
         chain.append(node)
         node = source
-    return node, chain, upcast, None
+    return node, chain, upcast, None, None
 
 
 # Between a log_softmax and the nll_loss that reads it: what makes the nll_loss a candidate (reported when
@@ -655,12 +728,13 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     are (through the chain _logits_source walks) those of an F.linear. tail: the nodes between
     logits_input and ce, latest first (empty for F.cross_entropy; the log_softmax and the reshapes after
     it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
-    linear, chain, upcast, added_bias = _logits_source(logits_input)
+    linear, chain, upcast, added_bias, scale = _logits_source(logits_input)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
     slices = _row_selections(chain)
     x, weight, bias, transposed = _linear_operands(linear)
-    # The logits the op returns: the Linear's, or those with the added class bias (then the add's node)
-    logits_node = chain[-1] if added_bias is not None else linear
+    # The logits the op returns: the Linear's, or those with the added class bias (then the add's node), or
+    # those scaled (then the scale's node)
+    logits_node = scale[2] if scale is not None else chain[-1] if added_bias is not None else linear
     head = {"linear": "F.linear", "addmm": "addmm(b, x, w.t())", "einsum": "einsum"}.get(op_name(linear),
                                                                                         "x @ w.t()")
     variant = " -> ".join([head, *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
@@ -714,12 +788,19 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
               "label_smoothing": float(smoothing),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
     inserted, target, positions, grids = [], args["target"], None, {}
+    factor = _scale_factor(scale, linear, variant) if scale is not None else 1.0
     if added_bias is not None:
         bias = added_bias
     if bias is not None and tensor_meta(bias) is not None and tensor_meta(bias).dim() != 1:
         # an added class bias or addmm's, (1, .., 1, V) -> (V,): the op's bias
         bias = insert_call(graph, torch.reshape, (bias, (-1,)), like=logits_node)
         inserted.append(bias)
+    if scale is not None:  # s * (x @ w.t() + b) is x @ (s w).t() + s b, s a power of two (_scale_factor)
+        weight = insert_call(graph, torch.mul, (weight, factor), like=logits_node)
+        inserted.append(weight)
+        if bias is not None:
+            bias = insert_call(graph, torch.mul, (bias, factor), like=logits_node)
+            inserted.append(bias)
     if slices:
         target, positions, grids = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
     op_args = (x, weight, bias, target)
@@ -780,6 +861,8 @@ def rewrite(graph: torch.fx.Graph) -> None:
                 _rewrite_nll_loss(graph, fn, loss, tail)
         except _Miss as miss:
             record_near_miss(FAMILY, candidate, str(miss), loss)
+        except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
+            record_near_miss(FAMILY, candidate, f"internal error {type(error).__name__}: {error}", loss)
     if _float_inputs_to_specialise:
         # dynamic=True made a module float (label_smoothing) a graph input and a rewrite baked its value in:
         # restart dynamo's analysis with it a constant, as the norm pass does (Inductor would anyway). The

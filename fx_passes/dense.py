@@ -495,7 +495,9 @@ def _view_after(h: torch.fx.Node) -> torch.fx.Node | None:
     if op_name(v) not in ("view", "reshape") and v.target not in ("view", "reshape"):
         return None
     hv, vv = tensor_meta(h), tensor_meta(v)
-    if hv is None or vv is None or vv.shape[-1] != hv.shape[-1]:
+    # (a view to 0-d, ``addmm(..).view(())`` of a (1, 1) result, has no last dim: read as one, it raised an
+    # IndexError out of the backend, failing the compile)
+    if hv is None or vv is None or vv.dim() == 0 or hv.dim() == 0 or vv.shape[-1] != hv.shape[-1]:
         return None
     return v
 
@@ -703,6 +705,8 @@ def rewrite(graph: torch.fx.Graph) -> None:
             _rewrite_one(graph, fn, node)
         except _Miss as miss:
             record_near_miss(FAMILY, "Linear + GELU", str(miss), node)
+        except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
+            record_near_miss(FAMILY, "Linear + GELU", f"internal error {type(error).__name__}: {error}", node)
     if _float_inputs_to_specialise:
         # dynamic=True made a float the GELU reads (math.pi) a graph input and a rewrite baked its value in:
         # restart dynamo's analysis with it a constant, as the norm pass does; the decisions of this run are

@@ -176,3 +176,22 @@ def test_in_place_add_that_would_promote_stays():
     got = torch.compile(fn, backend="flash")(x, r)
     assert got.dtype == expected.dtype == torch.bfloat16  # fp32 if the sum had been made functional
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 rounding of the normalised rows
+
+
+def test_result_of_an_out_variant_is_not_fresh():
+    """``r = torch.add(a, b, out=buf)`` returns buf itself: a write to r writes buf, which the function
+    returns. Made functional, buf kept a + b (review s30: the compiled function returned a + b, not
+    a + b + 1)."""
+
+    def fn(a, b, buf):
+        r = torch.add(a, b, out=buf)
+        r.add_(1)
+        return F.layer_norm(buf, (C,)), buf * 1
+
+    a, b = torch.randn(4, C), torch.randn(4, C)
+    assert "add_" in _targets(_functionalized(fn, a, b, torch.empty(4, C)))
+    expected = fn(a, b, torch.empty(4, C))
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="flash")(a, b, torch.empty(4, C))
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e)
