@@ -111,6 +111,7 @@ if GLUON_AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_CHUNK, 16])
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
+        stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the statistics loaded ahead
 
         k_smem = k_tile.index(0).reshape([KEYS, HEAD_DIM])
         v_smem = v_tile.index(0).reshape([KEYS, HEAD_DIM])
@@ -130,6 +131,14 @@ if GLUON_AVAILABLE:
         mbarrier.wait(kv_bar, 0)
 
         n_iter = group * n_q_blocks
+        # each block's logsumexp and delta loaded a block ahead, as attention_bwd_hopper._consumer does
+        # (1.00-1.06x loaded in the iteration; starting the products from them as that kernel does measured
+        # 0.90-0.97x here: bench/logs/attention_gluon_bwd256_stats_ahead_s30_h200.log,
+        # attention_gluon_bwd_acc_init_ab_s30_h200.log)
+        first_row = batch * num_heads + kv_head * group
+        stat_cols = c0 + gl.arange(0, COLS, layout=stat_layout)
+        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
+                                              q_block_start * BLOCK_M + stat_cols, n_iter > 0)
         for it in range(n_iter):
             head = kv_head * group + it // n_q_blocks
             m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
@@ -143,9 +152,13 @@ if GLUON_AVAILABLE:
             s_tok = warpgroup_mma(k_smem, q_cols, zero_s, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(do_stage), (it // DO_ST) & 1)
             dp_tok = warpgroup_mma(v_smem, do_cols, zero_s, use_acc=False, is_async=True)
-            # these queries' logsumexp and delta, loaded while the products run
             queries = m0 + c0 + gl.arange(0, COLS, layout=col_layout)
-            lse, delta = _query_stats(LSE, DELTA, batch * num_heads + head, seq_q, queries, True)
+            lse = gl.convert_layout(lse_ahead, col_layout)
+            delta = gl.convert_layout(delta_ahead, col_layout)
+            ahead = it + 1
+            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + ahead // n_q_blocks, seq_q,
+                                                  (q_block_start + ahead % n_q_blocks) * BLOCK_M + stat_cols,
+                                                  ahead < n_iter)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
