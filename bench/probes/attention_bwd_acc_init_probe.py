@@ -23,12 +23,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import interleaved_graph_us  # noqa: E402
+from _common import capture_graph, interleaved_graph_us  # noqa: E402
+from attention_gluon_bwd_probe import _forward as forward  # noqa: E402
 
 import flash_backend.kernels as kernels_pkg  # noqa: E402
 from flash_backend.kernels import attention_bwd_hopper as new  # noqa: E402
 from flash_backend.kernels import attention_bwd_hopper_256 as new_256  # noqa: E402
-from flash_backend.kernels.attention_fwd import attention_forward_launch  # noqa: E402
 
 SHAPES = [  # (B, H, Hkv, S, D, causal)
     (8, 16, 16, 2048, 64, False), (8, 16, 16, 2048, 64, True), (2, 16, 16, 8192, 64, False),
@@ -62,14 +62,6 @@ def head_dim_256_module(module):
         yield
     finally:
         kernels_pkg.attention_bwd_hopper_256 = saved
-
-
-def forward(q, k, v, causal):
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    attention_forward_launch(q, k, v, None, None, 0.0, q.shape[-1] ** -0.5, -1, 0 if causal else -1, False,
-                             out, lse, launch=lambda kernel: kernel)
-    return out, lse
 
 
 def grads(module, module_256, args, causal, config=None):
@@ -109,19 +101,6 @@ def inputs(B, H, Hkv, S, D, causal):
     return (dout, q, k, v, *forward(q, k, v, causal))
 
 
-def graph(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def main():
     torch.manual_seed(0)
     old = load(sys.argv[1], "bwd_before")
@@ -155,9 +134,10 @@ def main():
             if backward:
                 torch.autograd.grad(o, (qg, kg, vg), dout)
 
-        graphs = {"cudnn fwd+bwd": graph(lambda: cudnn(True)), "cudnn fwd": graph(lambda: cudnn(False))}
+        graphs = {"cudnn fwd+bwd": capture_graph(lambda: cudnn(True)),
+                  "cudnn fwd": capture_graph(lambda: cudnn(False))}
         for name, (module, module_256, config) in cases.items():
-            graphs[name] = graph(lambda m=module, m256=module_256, c=config, a=args, causal=causal:
+            graphs[name] = capture_graph(lambda m=module, m256=module_256, c=config, a=args, causal=causal:
                                  grads(m, m256, a, causal, c))
         us = interleaved_graph_us(graphs, rounds=7, reps=10)
         t_cudnn = us["cudnn fwd+bwd"] - us["cudnn fwd"]
