@@ -52,7 +52,9 @@ def flash_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     if not flash_config.inductor_coalesce_tiling_analysis and _has_inductor_option(_COALESCE_TILING):
         config_patches[_COALESCE_TILING] = False  # why: flash_backend/config.py
     if options:
-        config_patches.update(options)  # the caller's options win
+        # the caller's options win; spelt as torch.compile takes them for Inductor ("epilogue-fusion" is
+        # epilogue_fusion: _TorchCompileInductorWrapper.apply_options), else refused by config.patch
+        config_patches.update({key.replace("-", "_"): value for key, value in options.items()})
     user_pass = config_patches.get("pre_grad_custom_pass", inductor_config.pre_grad_custom_pass)
     config_patches["pre_grad_custom_pass"] = FlashGraphPass(chained=user_pass)
     log.debug("flash backend: compiling a graph of %d nodes", len(gm.graph.nodes))
