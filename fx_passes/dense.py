@@ -52,7 +52,9 @@ The GELU may read the pre-activation cast up to fp32 (``F.gelu(lin(x).float())``
 activations in fp32 writes it) when its fp32 result is cast straight back to the Linear's dtype
 (``.to(x.dtype)``, ``.type_as(x)``): the op computes the GELU in fp32 and rounds it once to that dtype, which
 is exactly that (_through_upcast). Used in fp32 it is left alone, reported: the op would return it rounded. An
-fp32 Linear's ``.float()`` is the identity.
+fp32 Linear's ``.float()`` is the identity. The cast back may name the pre-activation itself, fairseq's
+``utils.gelu``: ``F.gelu(h.float()).type_as(h)`` reads h for its dtype only, so that ``type_as`` is no other
+reader of h (_dtype_references); in fp32 it is the identity after the GELU, and it becomes the op's output.
 
 Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
 F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
@@ -513,14 +515,40 @@ def _is_cast(node: torch.fx.Node, source: torch.fx.Node, dtype: torch.dtype) -> 
                                                                                      strict=True))
 
 
+def _dtype_references(h: torch.fx.Node) -> list[torch.fx.Node]:
+    """h's users that read only its dtype: ``t.type_as(h)`` of another tensor t (fairseq's ``utils.gelu``,
+    ``F.gelu(x.float()).type_as(x)``, casts the GELU back by naming the pre-activation)."""
+    return [u for u in h.users if op_name(u) == "type_as" and len(u.args) == 2 and not u.kwargs
+            and u.args[1] is h and u.args[0] is not h]
+
+
 def _upcast_after(h: torch.fx.Node) -> torch.fx.Node | None:
-    """The cast to fp32 that is h's only user (``F.gelu(lin(x).float())``), when h is fp16, bf16 or fp32; else
-    None. Exact: every fp16/bf16 value is an fp32 one (and fp32 -> fp32 is the identity)."""
+    """The cast to fp32 that is h's only user (``F.gelu(lin(x).float())``), besides users reading only its
+    dtype (_dtype_references), when h is fp16, bf16 or fp32; else None. Exact: every fp16/bf16 value is an
+    fp32 one (and fp32 -> fp32 is the identity)."""
     ht = tensor_meta(h)
-    if len(h.users) != 1 or ht is None or ht.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    users = [u for u in h.users if u not in _dtype_references(h)]
+    if len(users) != 1 or ht is None or ht.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    (up,) = h.users
+    (up,) = users
     return up if _is_cast(up, h, torch.float32) else None
+
+
+def _cast_back_by_reference(variant: str, h: torch.fx.Node, end: torch.fx.Node,
+                            region: set[torch.fx.Node]) -> tuple[str, torch.fx.Node, set[torch.fx.Node]]:
+    """(variant, end, region) taking in the ``gelu.type_as(h)`` that reads h for its dtype (fairseq), when h
+    has one: it must be the cast that ends the GELU (_through_upcast took it as end for fp16/bf16 h; for
+    fp32 h it is the identity after the GELU, its only user), else _Miss: h is read elsewhere."""
+    refs = _dtype_references(h)
+    if not refs:
+        return variant, end, region
+    if refs == [end]:
+        return variant, end, region
+    if len(refs) == 1 and refs[0].args[0] is end and len(end.users) == 1 and \
+            getattr(tensor_meta(refs[0]), "dtype", None) == getattr(tensor_meta(end), "dtype", False):
+        return f"{variant} (.type_as the pre-activation)", refs[0], region | {end}
+    raise _Miss(f"{variant}: the linear output also feeds {refs[0].name}, so its pre-activation is needed; "
+                "not fused")
 
 
 def _through_upcast(variant: str, h: torch.fx.Node, up: torch.fx.Node, end: torch.fx.Node,
@@ -591,11 +619,12 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if up is not None:
         region = region | {up}
         variant, end, region = _through_upcast(variant, h, up, end, region)
+        variant, end, region = _cast_back_by_reference(variant, h, end, region)
     into = out_writer((linear, *region))
     if into is not None:  # torch.addmm(.., out=buf), torch._C._nn.gelu(h, out=buf): buf is written too
         raise _Miss(f"{variant}: {into.name} also writes its result into out=, which the fused op would "
                     "not; not fused")
-    outside = [u for n in (h, *filter(None, [up])) for u in n.users if u not in region]
+    outside = [u for n in (h, *filter(None, [up])) for u in n.users if u not in region and u is not end]
     if outside:
         raise _Miss(f"{variant}: the linear output also feeds {outside[0].name}, so its pre-activation "
                     "is needed; not fused")
@@ -683,7 +712,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
         _float_inputs_to_specialise.extend(float_input_symbols(v))
     record_rewrite(FAMILY, variant, _OP_NAME, linear)
     operands = linear.all_input_nodes
-    erase_unused(graph, region | {h, linear, *adds, *filter(None, [view])})
+    erase_unused(graph, region | {end, h, linear, *adds, *filter(None, [view])})
     erase_unused(graph, [n for n in operands if _is_transpose_2d(n)])  # the w.t() the op no longer reads
     return True
 
