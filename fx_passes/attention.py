@@ -8,9 +8,10 @@ pass runs on the Torch IR, before AOTAutograd.
 Trade-off: the matcher is a structural walk rather than traced ``register_replacement`` patterns. Real
 code spells attention in too many equivalent ways (matmul / @ / bmm / einsum; scale on q, on k or on the
 scores, by a number or a sqrt tensor; masks added, filled or selected, in either operand order; casts and
-dropout anywhere on the probabilities; repeat_kv for GQA) for a table of traced patterns to cover their
-product. The walk starts at every softmax (also written out, or as exp(log_softmax)) and every SDPA
-call, follows the chain down to q·kᵀ and up to ·v, and rewrites only when each step is proven equivalent:
+dropout anywhere on the probabilities; repeat_kv for GQA; einsum k and v with no head subscript for
+multi-query, "bhid,bjd->bhij") for a table of traced patterns to cover their product. The walk starts at
+every softmax (also written out, or as exp(log_softmax)) and every SDPA call, follows the chain down to
+q·kᵀ and up to ·v, and rewrites only when each step is proven equivalent:
 softmax over the last dim, kᵀ a transpose of k's last two dims, a constant positive scale, masks whose
 broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
 to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
@@ -1186,6 +1187,10 @@ class _Candidate:
         self.masks = _Masks()
         self.q = self.k = self.v = None
         self.q_perm = self.k_perm = self.v_perm = None  # permutes into (batch..., S, D)
+        # Size-1 dims inserted (in order) after k's / v's permute: the batch dims an einsum operand has no
+        # subscript for and broadcasts over (multi-query: einsum("bhid,bjd->bhij", q, k), "bhij,bjd->bhid").
+        self.k_unsqueeze: list[int] = []
+        self.v_unsqueeze: list[int] = []
         self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
         self.batch_dims = 2
         self.variant = "matmul"
@@ -1731,22 +1736,25 @@ def _qk(cand: _Candidate, mm: Node):
             # scores' second-to-last dim is q (the rows the softmax normalises), the other k.
             (a_l, b_l), (q, k) = (b_l, a_l), (k, q)
         d = [c for c in a_l if c in b_l and c not in out]
-        i = [c for c in a_l if c in out and c not in b_l]
-        j = [c for c in b_l if c in out and c not in a_l]
-        batch = [c for c in out if c in a_l and c in b_l]
+        batch = list(out[:-2])
+        # k may lack batch subscripts of q and the scores: einsum broadcasts k over them (multi-query,
+        # "bhid,bjd->bhij"), as matmul does over a size-1 dim. Every other letter is in both or summed.
         if (
             len(d) != 1
-            or len(i) != 1
-            or len(j) != 1
-            or len(batch) + 2 != len(out)
-            or out[-2:] != i[0] + j[0]
-            or len(a_l) != len(out)
-            or len(b_l) != len(out)
+            or len(out) < 3
+            or out[-2] not in a_l
+            or out[-2] in b_l
+            or out[-1] not in b_l
+            or out[-1] in a_l
+            or sorted(a_l) != sorted(batch + [out[-2]] + d)
+            or any(c not in batch + [out[-1]] + d for c in b_l)
+            or len(b_l) < 3
         ):
             raise _Skip(f"einsum '{eq}' is not q·kᵀ with the scores' key dim last")
         cand.variant = "einsum"
-        cand.q_perm = [a_l.index(c) for c in batch + i + d]
-        cand.k_perm = [b_l.index(c) for c in batch + j + d]
+        cand.q_perm = [a_l.index(c) for c in batch + [out[-2]] + d]
+        cand.k_perm = [b_l.index(c) for c in batch + [out[-1]] + d if c in b_l]
+        cand.k_unsqueeze = [n for n, c in enumerate(batch) if c not in b_l]
         cand.batch_dims = len(batch)
         cand.q, cand.k = _strip_scales(cand, q, mm), _strip_scales(cand, k, mm)
         return
@@ -1873,10 +1881,18 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
             raise _Skip(f"einsum '{eq}' does not take the scores' layout")
         batch, i, j = list(p_l[:-2]), p_l[-2], p_l[-1]
         e = [c for c in v_l if c not in p_l]
-        if len(e) != 1 or sorted(v_l) != sorted(batch + [j] + e) or sorted(out) != sorted(batch + [i] + e):
+        # v may lack batch subscripts of the probabilities (multi-query "bhij,bjd->bhid"): broadcast over
+        if (
+            len(e) != 1
+            or j not in v_l
+            or i in v_l
+            or any(c not in batch + [j] + e for c in v_l)
+            or sorted(out) != sorted(batch + [i] + e)
+        ):
             raise _Skip(f"einsum '{eq}' is not probabilities·v")
         cand.v = v
-        cand.v_perm = [v_l.index(c) for c in batch + [j] + e]
+        cand.v_perm = [v_l.index(c) for c in batch + [j] + e if c in v_l]
+        cand.v_unsqueeze = [n for n, c in enumerate(batch) if c not in v_l]
         produced = batch + [i] + e
         cand.out_perm = [produced.index(c) for c in out]
         cand.variant += "+einsum"
@@ -2177,16 +2193,19 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     cand.chain.append(softmax)
 
     # Shapes and dtypes, in (batch..., S, D) layout.
-    def laid_out(node, perm):
+    def laid_out(node, perm, inserted=()):
         shape = _shape(node)
         if shape is None:
             raise _Skip(f"'{node}' has no shape information")
-        return tuple(shape[p] for p in perm) if perm else shape
+        shape = tuple(shape[p] for p in perm) if perm else shape
+        for dim in inserted:
+            shape = shape[:dim] + (1,) + shape[dim:]
+        return shape
 
     q_shape, k_shape, v_shape = (
         laid_out(cand.q, cand.q_perm),
-        laid_out(cand.k, cand.k_perm),
-        laid_out(cand.v, cand.v_perm),
+        laid_out(cand.k, cand.k_perm, cand.k_unsqueeze),
+        laid_out(cand.v, cand.v_perm, cand.v_unsqueeze),
     )
     scores_shape = _shape(mm)
     sm_shape = _shape(x)
@@ -2242,6 +2261,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         and not layout.convert_pv
         and (cand.k_perm or [0, 1, 2, 3])[0] == 0
         and (cand.v_perm or [0, 1, 2, 3])[0] == 0
+        and not cand.k_unsqueeze
+        and not cand.v_unsqueeze
     ):
         # the heads are dim perm[1] of k / v as given (the op's (B, H, S, D) is k.permute(perm))
         k_base, nk = _unrepeat(cand.k, (cand.k_perm or [0, 1, 2, 3])[1])
@@ -2279,6 +2300,10 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
             q_in = insert_call(graph, torch.mul if kind == "mul" else torch.div, (q_in, factor), like=softmax)
         k_in = _permuted(graph, k_node, cand.k_perm, softmax)
         v_in = _permuted(graph, v_node, cand.v_perm, softmax)
+        for dim in cand.k_unsqueeze:
+            k_in = insert_call(graph, torch.unsqueeze, (k_in, dim), like=softmax)
+        for dim in cand.v_unsqueeze:
+            v_in = insert_call(graph, torch.unsqueeze, (v_in, dim), like=softmax)
         q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
         mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
         out = insert_call(
