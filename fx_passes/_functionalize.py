@@ -35,11 +35,25 @@ def _same_dims(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
 
 
+def _fresh(node: torch.fx.Node) -> bool:
+    """node is a new tensor that nothing but its own readers can see: the result of a _FRESH op (not one
+    written into an out= buffer: ``torch.add(a, b, out=buf)`` returns buf), or a view / reshape of such a
+    tensor that is its only reader (Megatron's and GPT-NeoX's ``bmm(..).view(..)`` scores, then
+    ``masked_fill_`` on the view: the write reaches only memory no other node reads)."""
+    if op_name(node) in _FRESH:
+        return node.kwargs.get("out") is None
+    if op_name(node) in ("view", "reshape") and node.args and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0]
+        return len(source.users) == 1 and _fresh(source)
+    return False
+
+
 def functionalize_in_place(graph: Graph) -> None:
     """``t.add_(x)`` / ``t += x`` / ``t.masked_fill_(m, v)`` (and mul, div, sub) -> ``t2 = t.add(x)`` etc.
 
-    Only on a t that a non-view op just produced and that nothing read before the write (a reader placed
-    before it could be a view that sees it); every later reader of t reads the functional result instead.
+    Only on a t that a non-view op just produced, or a view of one that nothing else reads (_fresh), and
+    that nothing read before the write (a reader placed before it could be a view that sees it); every later
+    reader of t reads the functional result instead.
     An in-place op keeps its tensor's dtype and shape where the functional one may promote or broadcast
     (bf16 scores += an fp32 mask): those are left alone. A fresh ``clone`` that only fed the write is
     dropped (``r.clone().add_(x)`` is ``r.add(x)``) when r is contiguous and not written in between.
@@ -55,9 +69,7 @@ def functionalize_in_place(graph: Graph) -> None:
         if not isinstance(node.args[0], torch.fx.Node) or tensor_meta(node.args[0]) is None:
             continue
         base = node.args[0]
-        if op_name(base) not in _FRESH or any(order[u] < order[node] for u in base.users if u is not node):
-            continue
-        if base.kwargs.get("out") is not None:  # torch.add(a, b, out=buf) returns buf: not a new tensor
+        if not _fresh(base) or any(order[u] < order[node] for u in base.users if u is not node):
             continue
         try:
             result = fake_call(getattr(torch.Tensor, name), node.args, node.kwargs)

@@ -195,3 +195,38 @@ def test_result_of_an_out_variant_is_not_fresh():
     got = torch.compile(fn, backend="flash")(a, b, torch.empty(4, C))
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e)
+
+
+_TRIU = torch.ones(6, 6, dtype=torch.bool).triu(1)
+
+
+def _megatron_scores(q, k, v):
+    """Megatron-LM / gpt-neox attention_mask_func: masked_fill_ on a view of fresh bmm scores."""
+    s = torch.bmm(q, k.transpose(1, 2)).view(2, 4, 6, 6)
+    s.masked_fill_(_TRIU, -10000.0)
+    return torch.bmm(torch.softmax(s, -1).view(8, 6, 6), v)
+
+
+def _scores_read_elsewhere(q, k, v):
+    r = torch.bmm(q, k.transpose(1, 2))
+    s = r.view(2, 4, 6, 6)
+    s.masked_fill_(_TRIU, -10000.0)  # r sees the write too
+    return torch.bmm(torch.softmax(s, -1).view(8, 6, 6), v) + r.sum()
+
+
+@pytest.mark.parametrize(("fn", "functional"), [(_megatron_scores, True), (_scores_read_elsewhere, False)],
+                         ids=["view_of_fresh_scores", "fresh_scores_read_elsewhere"])
+def test_write_through_the_only_view_of_a_fresh_tensor(fn, functional):
+    """A write through a view that is a fresh tensor's only reader reaches nothing else: made functional
+    (review s30: Megatron's and gpt-neox's masked attention was left alone, 'intermediate s has other
+    users'), then the attention rewrite takes it. When the fresh tensor is read elsewhere, the write stays."""
+    class Module(nn.Module):
+        def forward(self, q, k, v):
+            return fn(q, k, v)
+
+    q, k, v = (torch.randn(8, 6, 8) for _ in range(3))
+    assert ("masked_fill_" not in _targets(_functionalized(fn, q, k, v))) is functional
+    counters.clear()
+    torch._dynamo.reset()
+    _compare(Module(), q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
+    assert counters["flash"]["attention"] == (1 if functional else 0)
