@@ -114,19 +114,23 @@ class XTransformersAttention(nn.Module):
         h = self.heads
         q, k, v = (t.view(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (self.to_q(x), self.to_k(x),
                                                                                   self.to_v(x)))
-        dots = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
-        mask_value = -torch.finfo(dots.dtype).max
-        if mask is not None:
-            dots = dots.masked_fill(~mask[:, None, None, :], mask_value)
-        if self.causal:
-            i, j = dots.shape[-2:]
-            causal_mask = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
-            dots = dots.masked_fill(causal_mask, mask_value)
+        dots = self._masked(torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale, mask)
         dtype = dots.dtype
         attn = F.softmax(dots, dim=-1, dtype=torch.float32).type(dtype)
         attn = self.dropout(attn)
         out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _masked(self, dots, mask):
+        """x-transformers' key padding mask and causal mask, filled with -finfo.max."""
+        mask_value = -torch.finfo(dots.dtype).max
+        if mask is not None:
+            dots = dots.masked_fill(~mask[:, None, None, :], mask_value)
+        if self.causal:
+            i, j = dots.shape[-2:]
+            causal_mask = torch.ones((i, j), dtype=torch.bool, device=dots.device).triu(j - i + 1)
+            dots = dots.masked_fill(causal_mask, mask_value)
+        return dots
 
 
 class TimmAttention(nn.Module):
@@ -495,14 +499,7 @@ class XTransformersOneKVHead(XTransformersAttention):
         b, n, _ = x.shape
         q = self.to_q(x).view(b, n, self.heads, -1).transpose(1, 2)
         k, v = self.to_k(x), self.to_v(x)
-        dots = torch.einsum("b h i d, b j d -> b h i j", q, k) * self.scale
-        mask_value = -torch.finfo(dots.dtype).max
-        if mask is not None:
-            dots = dots.masked_fill(~mask[:, None, None, :], mask_value)
-        if self.causal:
-            i, j = dots.shape[-2:]
-            causal_mask = torch.ones((i, j), dtype=torch.bool, device=x.device).triu(j - i + 1)
-            dots = dots.masked_fill(causal_mask, mask_value)
+        dots = self._masked(torch.einsum("b h i d, b j d -> b h i j", q, k) * self.scale, mask)
         attn = self.dropout(F.softmax(dots, dim=-1, dtype=torch.float32).type(dots.dtype))
         out = torch.einsum("b h i j, b j d -> b h i d", attn, v)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_execution_contexts_s25 import _assert_grads_close, _clear_grads, _flash_aot_eager
+from test_execution_contexts_s25 import BertLayer, _assert_grads_close, _clear_grads, _flash_aot_eager
 from torch._dynamo.utils import counters
 
 import fx_passes._compat
@@ -67,30 +67,18 @@ class GPT(nn.Module):
 
 
 class Bert(nn.Module):
+    """A post-norm BERT layer (test_execution_contexts_s25.BertLayer) between an embedding and an LM head."""
+
     def __init__(self, d=40, h=5, p=0.0):
         super().__init__()
-        self.h = h
         self.emb = nn.Embedding(V, d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.ln1, self.ln2 = nn.LayerNorm(d, eps=1e-12), nn.LayerNorm(d, eps=1e-12)
-        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-        self.drop1, self.drop2, self.attn_drop = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
+        self.layer = BertLayer(d, h, p)
         self.head = nn.Linear(d, V)
 
     def forward(self, ids, mask, labels=None):
         x = self.emb(ids)
-        B, T, D = x.shape
         ext = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
-
-        def heads(t):
-            return t.view(B, T, self.h, D // self.h).permute(0, 2, 1, 3)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D // self.h) + ext
-        a = torch.matmul(self.attn_drop(F.softmax(s, dim=-1)), v).permute(0, 2, 1, 3).reshape(B, T, D)
-        x = self.ln1(self.drop1(self.o(a)) + x)
-        x = self.ln2(self.drop2(self.out(F.gelu(self.fc(x)))) + x)
-        logits = self.head(x)
+        logits = self.head(self.layer(x, ext))
         return logits if labels is None else F.cross_entropy(logits.view(-1, V), labels.view(-1))
 
 
