@@ -72,6 +72,9 @@ if GLUON_AVAILABLE:
 
     from flash_backend.kernels.attention_fwd_hopper import _heaviest_first
 
+    # the layout the consumers load the query statistics in, a block ahead: one value a thread
+    STAT_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
     # TMA's reduce-add (cp.reduce.async.bulk.tensor): Gluon 3.6's builder has the op but the language no
     # function for it. Without it (another Triton), every call takes the Triton backward.
     GLUON_AVAILABLE = hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(
@@ -152,6 +155,17 @@ if GLUON_AVAILABLE:
         return lse, delta
 
     @gluon.jit
+    def _block_stats(LSE, DELTA, it, n_iter, first_row, q_block_start, n_q_blocks, seq_q,
+                     BLOCK_M: gl.constexpr, cols):
+        """_query_stats of iteration it's query block (the group's heads in turn from first_row, each over
+        n_q_blocks blocks from q_block_start) at these columns of it, in a compact layout (one value a thread:
+        the consumers load each block's an iteration ahead, then convert them to wgmma's layout); none past
+        the last iteration (n_q_blocks may be 0 only where n_iter is: it = 0, a quotient of 0, nothing
+        loaded). Shared by both Gluon backwards."""
+        return _query_stats(LSE, DELTA, first_row + it // n_q_blocks, seq_q,
+                            (q_block_start + it % n_q_blocks) * BLOCK_M + cols, it < n_iter)
+
+    @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                   do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -204,7 +218,7 @@ if GLUON_AVAILABLE:
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
         # the query statistics as they are loaded, an iteration ahead: one value a thread, where col_layout
         # holds BLOCK_M / 4 (32 registers a vector at BLOCK_M 128)
-        stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        stat_layout: gl.constexpr = STAT_LAYOUT
 
         first_key = n0 + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
@@ -228,8 +242,8 @@ if GLUON_AVAILABLE:
         n_iter = group * n_q_blocks
         first_row = batch * num_heads + kv_head * group  # of LSE / DELTA: the group's first query head
         stat_cols = gl.arange(0, BLOCK_M, layout=stat_layout)
-        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
-                                              q_block_start * BLOCK_M + stat_cols, n_iter > 0)
+        lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
+                                              seq_q, BLOCK_M, stat_cols)
         for it in range(n_iter):
             head = kv_head * group + it // n_q_blocks
             m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
@@ -239,10 +253,9 @@ if GLUON_AVAILABLE:
             do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             lse = gl.convert_layout(lse_ahead, col_layout)
             delta = gl.convert_layout(delta_ahead, col_layout)
-            ahead = it + 1  # the next block's, whose load then has this iteration to arrive
-            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + ahead // n_q_blocks, seq_q,
-                                                  (q_block_start + ahead % n_q_blocks) * BLOCK_M + stat_cols,
-                                                  ahead < n_iter)
+            # the next block's, whose load then has this iteration to arrive
+            lse_ahead, delta_ahead = _block_stats(LSE, DELTA, it + 1, n_iter, first_row, q_block_start,
+                                                  n_q_blocks, seq_q, BLOCK_M, stat_cols)
             # The products start from -lse / qk_scale and -delta instead of zero, so that
             #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
             # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T

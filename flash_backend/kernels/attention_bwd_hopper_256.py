@@ -47,8 +47,9 @@ if GLUON_AVAILABLE:
     )
 
     from flash_backend.kernels.attention_bwd_hopper import (
+        STAT_LAYOUT,
+        _block_stats,
         _key_block,
-        _query_stats,
         _tma_add_shared_to_global,
     )
 
@@ -111,7 +112,6 @@ if GLUON_AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_CHUNK, 16])
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
-        stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the statistics loaded ahead
 
         k_smem = k_tile.index(0).reshape([KEYS, HEAD_DIM])
         v_smem = v_tile.index(0).reshape([KEYS, HEAD_DIM])
@@ -136,9 +136,9 @@ if GLUON_AVAILABLE:
         # 0.90-0.97x here: bench/logs/attention_gluon_bwd256_stats_ahead_s30_h200.log,
         # attention_gluon_bwd_acc_init_ab_s30_h200.log)
         first_row = batch * num_heads + kv_head * group
-        stat_cols = c0 + gl.arange(0, COLS, layout=stat_layout)
-        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
-                                              q_block_start * BLOCK_M + stat_cols, n_iter > 0)
+        stat_cols = c0 + gl.arange(0, COLS, layout=STAT_LAYOUT)
+        lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
+                                              seq_q, BLOCK_M, stat_cols)
         for it in range(n_iter):
             head = kv_head * group + it // n_q_blocks
             m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
@@ -155,10 +155,8 @@ if GLUON_AVAILABLE:
             queries = m0 + c0 + gl.arange(0, COLS, layout=col_layout)
             lse = gl.convert_layout(lse_ahead, col_layout)
             delta = gl.convert_layout(delta_ahead, col_layout)
-            ahead = it + 1
-            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + ahead // n_q_blocks, seq_q,
-                                                  (q_block_start + ahead % n_q_blocks) * BLOCK_M + stat_cols,
-                                                  ahead < n_iter)
+            lse_ahead, delta_ahead = _block_stats(LSE, DELTA, it + 1, n_iter, first_row, q_block_start,
+                                                  n_q_blocks, seq_q, BLOCK_M, stat_cols)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
