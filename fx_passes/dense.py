@@ -540,9 +540,7 @@ def _cast_back_by_reference(variant: str, h: torch.fx.Node, end: torch.fx.Node,
     has one: it must be the cast that ends the GELU (_through_upcast took it as end for fp16/bf16 h; for
     fp32 h it is the identity after the GELU, its only user), else _Miss: h is read elsewhere."""
     refs = _dtype_references(h)
-    if not refs:
-        return variant, end, region
-    if refs == [end]:
+    if refs in ([], [end]):
         return variant, end, region
     if len(refs) == 1 and refs[0].args[0] is end and len(end.users) == 1 and \
             getattr(tensor_meta(refs[0]), "dtype", None) == getattr(tensor_meta(end), "dtype", False):
