@@ -421,8 +421,7 @@ def records_grad(result: object) -> bool:
     fused op keep anything for a backward, and an in-place write after them is harmless."""
     if isinstance(result, torch.fx.Node) and records_no_grad(result.graph):
         return False
-    meta = tensor_meta(result)
-    return meta is None or bool(meta.requires_grad)
+    return _needs_grad(result)
 
 
 def _needs_grad(node: object) -> bool:
