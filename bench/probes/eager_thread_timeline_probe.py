@@ -34,7 +34,12 @@ def timed_bwd(ctx, dout, dlse):
 
 A._DirectAttention.backward = staticmethod(timed_bwd)
 
-B, H, S, D = 64, 12, 197, 64
+import os  # noqa: E402
+import sys  # noqa: E402
+
+# the shape from FLASH_PROBE_SHAPE="B,H,S,D" (ViT-base's by default)
+B, H, S, D = (int(x) for x in os.environ.get("FLASH_PROBE_SHAPE", "64,12,197,64").split(","))
+print(f"shape {B},{H},{S},{D}; switch interval {sys.getswitchinterval()} s", flush=True)
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 dout = torch.randn_like(q)
 
@@ -69,6 +74,7 @@ def run(label, n=300):
 
 
 run("multithreading on")
+print("threads:", [t.name for t in threading.enumerate()], flush=True)
 with torch.autograd.set_multithreading_enabled(False):
     run("multithreading off")
 run("multithreading on, again")
