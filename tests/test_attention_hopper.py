@@ -43,6 +43,13 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
         pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
     block_n, stages, _, consumers, raw_scores = hopper.CONFIGS[(head_dim, causal)]
     kernel = hopper.compile_sm90(head_dim, dtype, causal, (block_n, stages, pingpong, consumers, raw_scores))
+    spills, report = _sm90_spills(kernel)
+    assert spills <= SPILL_LIMIT.get((head_dim, causal), 0), report
+
+
+def _sm90_spills(kernel):
+    """(spill store bytes, ptxas's report) of a kernel compiled by compile_sm90, after checking that it is
+    the warp-specialised kernel (wgmma, register reallocation, TMA) and fits shared memory."""
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
     assert kernel.metadata.shared <= 227 * 1024
@@ -52,8 +59,60 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype, pingpong):
         ptx_file.write_text(ptx)
         command = [str(ptxas), "-v", "-arch=sm_90a", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")]
         report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spills <= SPILL_LIMIT.get((head_dim, causal), 0), report
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1)), report
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_persistent_kernel_compiles_for_sm90(dtype):
+    """The persistent variant the routing runs (head_dim 128 non-causal up to PERSISTENT_MAX_SEQ_Q_128 query
+    rows) compiles spill-free, its output tiles (o_tiles) within shared memory."""
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton forward")
+    config = hopper.routed_config(128, hopper.PERSISTENT_MAX_SEQ_Q_128, False, False)
+    assert config[5]
+    spills, report = _sm90_spills(hopper.compile_sm90(128, dtype, False, config))
+    assert spills == 0, report
+
+
+@pytest.mark.parametrize(("head_dim", "seq_q", "causal", "has_mask", "persistent"), [
+    (128, 2048, False, False, True), (128, 97, False, False, True), (128, 2049, False, False, False),
+    (128, 2048, True, False, False), (128, 2048, False, True, False), (64, 2048, False, False, False),
+    (256, 2048, False, False, False)])
+def test_routed_config_persistent(head_dim, seq_q, causal, has_mask, persistent):
+    """Persistent CTAs only where they measured faster: head_dim 128, no causal masking, no mask, up to
+    PERSISTENT_MAX_SEQ_Q_128 query rows; the rest of the configuration is CONFIGS'."""
+    assert hopper.PERSISTENT_MAX_SEQ_Q_128 == 2048
+    config = hopper.routed_config(head_dim, seq_q, causal, has_mask)
+    assert config[:5] == hopper._full_config(hopper.CONFIGS[(head_dim, causal)])[:5]
+    assert config[5] is persistent
+
+
+def test_persistent_launch_grid(monkeypatch):
+    """A persistent launch has one CTA an SM (fewer when there are fewer tiles of 128 query rows), and tells
+    the kernel the number of (batch, head) pairs; the others keep the (query blocks, B * H) grid."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(hopper, "fast_kernel", Recorder)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    cases = [  # B, H, Sq, causal, grid, persistent
+        (8, 16, 2048, False, (132, 1), True),  # 16 tiles a head: 2048 tiles
+        (1, 2, 1000, False, (16, 1), True),  # 8 tiles a head
+        (4, 16, 4096, False, (32, 64), False),
+        (8, 16, 2048, True, (16, 128), False)]
+    for B, H, Sq, causal, grid, persistent in cases:
+        q = torch.randn(B, H, Sq, 128, dtype=torch.bfloat16)
+        out, lse = torch.empty_like(q), torch.empty(B, H, Sq)
+        hopper.attention_forward_hopper_launch(q, q, q, 0.125, causal, out, lse)
+        got_grid, args, kwargs = launches.pop()
+        assert got_grid == grid and kwargs["PERSISTENT"] is persistent
+        assert args[-1] == B * H  # num_bh
 
 
 @pytest.mark.parametrize("raw_scores", [True, False])
@@ -240,6 +299,12 @@ CUDA_CASES = {
     "d64_causal_short_q_long_k": (2, 4, 4, 300, 3000, 64, True, False, False),
     "d64_causal_long_q_short_k": (1, 4, 4, 3000, 300, 64, True, False, False),
     "d64_causal_gqa_bshd": (2, 8, 2, 777, 777, 64, True, False, True),
+    # head_dim 128 non-causal up to 2048 query rows runs persistent CTAs (routed_config): fewer tiles than
+    # SMs, many tiles a CTA (24 * 12 heads of 8 tiles: 2304 tiles), GQA in (B, S, H, D), Sq != Sk
+    "persistent_few_tiles": (1, 2, 2, 300, 300, 128, False, False, False),
+    "persistent_many_tiles": (24, 12, 12, 1000, 1000, 128, False, False, False),
+    "persistent_gqa_bshd": (2, 8, 2, 1500, 1500, 128, False, False, True),
+    "persistent_short_q_long_k": (2, 4, 4, 97, 3000, 128, False, False, False),
 }
 
 
@@ -277,6 +342,29 @@ def test_cuda_hopper_forward_matches_reference(case, dtype):
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-5)
     if bshd:
         assert out.stride() == q.stride()
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize(("B", "H", "Hkv", "Sq", "Sk"), [(3, 7, 7, 3000, 2500), (1, 2, 2, 300, 300),
+                                                        (2, 8, 2, 2048, 2048)])
+def test_cuda_persistent_forward_agrees_with_the_plain_one(B, H, Hkv, Sq, Sk):
+    """Persistent CTAs (PERSISTENT) compute each tile as a CTA a tile does, past the routed lengths too
+    (3000 rows): out within a bf16 rounding and the logsumexp within fp32's of the plain launch (checked
+    against fp32 above), every element written."""
+    q, k, v = _cuda_qkv(B, H, Hkv, Sq, Sk, 128, torch.bfloat16, False)
+    results = []
+    for persistent in (False, True):
+        out, lse = attention_ops._alloc_forward(q, v)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        hopper.attention_forward_hopper_launch(q, k, v, 128 ** -0.5, False, out, lse,
+                                               config=(*hopper.CONFIGS[(128, False)][:5], persistent))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        results.append((out, lse))
+    (plain_out, plain_lse), (out, lse) = results
+    torch.testing.assert_close(out, plain_out, atol=8e-3, rtol=0)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=0)
 
 
 @pytest.mark.cuda

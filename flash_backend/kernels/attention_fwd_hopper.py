@@ -13,6 +13,9 @@ bench/NOTES_attention.md). Gluon, Triton's explicit-layout language, exposes tha
   and O is rescaled once that product is waited for (FA3's intra-warpgroup overlap);
 - optionally "ping-pong" (FA3's inter-warpgroup schedule): the consumers issue their wgmmas in turns, so
   one's softmax overlaps another's matrix products.
+- optionally persistent CTAs (head_dim 128 non-causal up to 2048 query rows: PERSISTENT_MAX_SEQ_Q_128): one
+  CTA an SM takes every sm_count-th tile, its ring and ping-pong running on across tiles, so that a tile's
+  output and the next tile's first loads overlap.
 bench/attention_gluon_probe.py measured it (bench/logs/attention_gluon_probe*_h200.log) at 0.92-0.98x
 cuDNN and 1.16-1.21x our Triton forward at head_dim 128, 0.98-1.02x cuDNN at 256, and with three consumers
 0.94-0.98x at 64 non-causal; causal head_dim 64 beats the Triton forward from 4096 query rows (session 25),
@@ -88,6 +91,13 @@ CONFIGS = {
     (256, False): (64, 2, False, 2, False),
     (256, True): (64, 2, False, 2, False),
 }
+# Persistent CTAs (a config's PERSISTENT: one CTA an SM, each taking every sm_count-th tile, the next tile's Q
+# loading while this one's output is written) for head_dim 128 without causal masking or a mask, up to this
+# many query rows. Kernels alone against the routed configuration (bench/probes/attention_fwd_persistent_
+# probe.py, bench/logs/attention_fwd_persistent_s31_h200.log): 1.09x at 16,16,1024, 1.02x at 8,16,2048,
+# 0.97-0.99x from 4096 rows (GQA too). Head_dim 64 keeps its three consumers (two persistent ones: 0.93x
+# at 2048 rows, and three spill 268 bytes at their 160 registers).
+PERSISTENT_MAX_SEQ_Q_128 = 2048
 _PRODUCER_REGS = 24
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of this many keys
@@ -130,15 +140,17 @@ if GLUON_AVAILABLE:
         return rank, first_row + in_group - rank * group_rows
 
     @gluon.jit
-    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
-                  first_block, n_blocks):
+    def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                        first_block, n_blocks, c0):
+        """K and V of key blocks first_block onwards (n_blocks of them) into the ring, c0 blocks after its
+        start (the blocks of the earlier tiles of a persistent CTA; 0 otherwise)."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         for j in range(n_blocks):
             key0 = (first_block + j) * BLOCK_N
-            stage = j % STAGES
+            stage = (c0 + j) % STAGES
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
-            empty_phase = ((j // STAGES) & 1) ^ 1
+            empty_phase = (((c0 + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(stage), empty_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [batch, kv_head, key0, 0], k_ready.index(stage),
@@ -147,6 +159,32 @@ if GLUON_AVAILABLE:
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [batch, kv_head, key0, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                  first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles, PERSISTENT: gl.constexpr):
+        if PERSISTENT:  # every tile of this CTA (_tile_of), its blocks one after another in the ring
+            for i in range(_n_local_tiles(n_tiles)):
+                batch, head, pid_m = _tile_of(i, n_m_blocks, num_heads)
+                _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
+                                head // group, 0, n_blocks, i * n_blocks)
+        else:
+            _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
+                            kv_head, first_block, n_blocks, 0)
+
+    @gluon.jit
+    def _n_local_tiles(n_tiles):
+        """How many of the n_tiles tiles this persistent CTA computes: program_id, then every
+        num_programs-th (the grid has at most n_tiles CTAs)."""
+        return (n_tiles - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def _tile_of(i, n_m_blocks, num_heads):
+        """(batch, head, query block) of this persistent CTA's i-th tile: the query blocks of a (batch,
+        head) are consecutive tiles, so the CTAs running together share a few heads' K and V in L2."""
+        tile = gl.program_id(0) + i * gl.num_programs(0)
+        bh = tile // n_m_blocks
+        return bh // num_heads, bh % num_heads, tile - bh * n_m_blocks
 
     # Gluon's max / sum / zeros / cdiv are Triton's standard-library functions, which TRITON_INTERPRET=1 (how
     # CI runs the Triton kernels) turns into interpreter objects that Gluon cannot compile; the kernel uses
@@ -247,12 +285,13 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer_blocks(WG: gl.constexpr, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                          turn_bars, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row,
-                         qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr,
+                         qk_scale, c0, k0, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr,
                          RAW_SCORES: gl.constexpr):
         """The key blocks of consumer WG's rows: (acc, m_i, l_i) of the online softmax, acc = unnormalised
         P V. KEYS (module KEYS_* modes) says how keys are hidden, a constexpr so that each mode compiles to
         a loop of its own (a runtime choice inside the loop spilled ~450 bytes at head_dim 64). RAW_SCORES:
-        the FMA softmax (_block_scores)."""
+        the FMA softmax (_block_scores). c0 / k0: the ring's blocks and the ping-pong's turns taken before
+        (by a persistent CTA's earlier tiles; 0 otherwise)."""
         RAW: gl.constexpr = RAW_SCORES and KEYS != KEYS_BIAS
         dtype: gl.constexpr = q_smem.dtype
         BLOCK_M: gl.constexpr = q_smem.type.shape[0]
@@ -273,14 +312,14 @@ if GLUON_AVAILABLE:
         zero_s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, s_layout)
 
         # key block 0: S_0 and its softmax, before the overlapped loop
-        k_smem = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-        mbarrier.wait(k_ready.index(0), 0)
-        _wait_turn(turn_bars, WG, 0, PINGPONG)
+        k_smem = k_bufs.index(c0 % STAGES).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
+        _wait_turn(turn_bars, WG, k0, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         bias = _block_bias(bias_row, first_block, BLOCK_N, KEYS, s_layout)
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(c0 % STAGES), count=1)
         s = _block_scores(s, bias, 0, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
                           BLOCK_N, CAUSAL, KEYS, RAW, s_layout)
         m_i = _row_max(s, qk_scale, RAW)
@@ -298,13 +337,13 @@ if GLUON_AVAILABLE:
         acc = gl.full([BLOCK_M, HEAD_DIM], 0.0, gl.float32, o_layout)
 
         for j in range(1, n_mine):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            stage = (c0 + j) % STAGES
+            prev = (c0 + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), ((c0 + j) // STAGES) & 1)
             k_smem = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c0 + j - 1) // STAGES) & 1)
             v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            _wait_turn(turn_bars, WG, j, PINGPONG)
+            _wait_turn(turn_bars, WG, k0 + j, PINGPONG)
             s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
             _pass_turn(turn_bars, WG, PINGPONG)
@@ -324,10 +363,10 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
 
-        last = n_mine - 1
+        last = c0 + n_mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         v_smem = v_bufs.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM])
-        _wait_turn(turn_bars, WG, n_mine, PINGPONG)
+        _wait_turn(turn_bars, WG, k0 + n_mine, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
@@ -339,78 +378,139 @@ if GLUON_AVAILABLE:
             # only once its fill has landed: an early arrival would count toward the previous fill's
             # release while another consumer still reads that one.
             for j in range(n_mine, n_blocks):
-                stage = j % STAGES
-                mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+                stage = (c0 + j) % STAGES
+                mbarrier.wait(k_ready.index(stage), ((c0 + j) // STAGES) & 1)
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(stage), ((c0 + j) // STAGES) & 1)
                 mbarrier.arrive(v_empty.index(stage), count=1)
-                _wait_turn(turn_bars, WG, j + 1, PINGPONG)
+                _wait_turn(turn_bars, WG, k0 + j + 1, PINGPONG)
                 _pass_turn(turn_bars, WG, PINGPONG)
         return acc, m_i, l_i
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                  v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                  qk_scale, bias_row, pure, key_lo, first_block, CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr,
-                  RAW_SCORES: gl.constexpr):
-        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards against key blocks first_block
-        onwards (n_blocks of them), keys [key_lo, seq_k) live; with a padding mask (HAS_MASK) seq_k is its
-        row's live end, bias_row its prepared bias row, and rows run the KEYS_BIAS loop, or with RANGE_LOOP
-        a pure row (the range is the whole mask) the KEYS_RANGE one (RANGE_LOOP_HEAD_DIMS says where)."""
-        q_tile = q_tiles.index(WG)
-        q_bar = q_bars.index(WG)
-        dtype: gl.constexpr = q_desc.dtype
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
+    def _write_rows(acc, m_i, l_i, out_tile, o_desc, LSE, batch, head, num_heads, first_row, rows, seq_q,
+                    HAS_MASK: gl.constexpr):
+        """A consumer's 64 finished rows: out = acc / l through out_tile by TMA (rows past seq_q clipped;
+        the caller waits for the store before reusing the tile) and the natural-log logsumexp."""
+        dtype: gl.constexpr = o_desc.dtype
+        BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = o_desc.block_type.shape[3]
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
-        first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
-        q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
-        rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        mbarrier.wait(q_bar, 0)
-
-        if RANGE_LOOP and pure:  # RANGE_LOOP (a padding mask): pure rows take a loop that loads no bias
-            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                             bias_row, qk_scale, CAUSAL, PINGPONG, KEYS_RANGE, RAW_SCORES)
-        else:
-            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                             turn_bars, rows, first_row, n_blocks, first_block, key_lo, seq_k,
-                                             bias_row, qk_scale, CAUSAL, PINGPONG,
-                                             KEYS_BIAS if HAS_MASK else KEYS_PLAIN, RAW_SCORES)
-
         if HAS_MASK:
             no_live_key = l_i == 0.0  # acc is 0 there: out = 0, logsumexp +inf (the module's convention)
             l_i = gl.where(no_live_key, 1.0, l_i)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-        # Q's tile is free once the last S wgmma was waited for: the output leaves through it (TMA clips the
-        # rows past seq_q)
-        q_smem.store(out)
+        out_tile.reshape([BLOCK_M, HEAD_DIM]).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, head, first_row, 0], q_tile)
+        tma.async_copy_shared_to_global(o_desc, [batch, head, first_row, 0], out_tile)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log, as the Triton forward writes it
         if HAS_MASK:
             lse = gl.where(no_live_key, float("inf"), lse)
         lse_offsets = (batch * num_heads + head).to(gl.int64) * seq_q + rows
         gl.store(LSE + lse_offsets, lse, mask=rows < seq_q)
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready,
+                  k_empty, v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                  n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks, n_tiles,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
+                  RANGE_LOOP: gl.constexpr, RAW_SCORES: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Consumer warpgroup WG: query rows m0 + WG * BLOCK_M onwards against key blocks first_block
+        onwards (n_blocks of them), keys [key_lo, seq_k) live; with a padding mask (HAS_MASK) seq_k is its
+        row's live end, bias_row its prepared bias row, and rows run the KEYS_BIAS loop, or with RANGE_LOOP
+        a pure row (the range is the whole mask) the KEYS_RANGE one (RANGE_LOOP_HEAD_DIMS says where).
+        PERSISTENT: the rows of every tile of the CTA instead (_consumer_tiles)."""
+        if PERSISTENT:
+            _consumer_tiles(WG, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                            v_ready, v_empty, turn_bars, LSE, num_heads, seq_q, seq_k, n_blocks, qk_scale,
+                            bias_row, n_m_blocks, n_tiles, PINGPONG, RAW_SCORES)
+        else:
+            q_tile = q_tiles.index(WG)
+            q_bar = q_bars.index(WG)
+            BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+            HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+            BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N, 16])
+            first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
+            q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+            rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            mbarrier.wait(q_bar, 0)
+
+            if RANGE_LOOP and pure:  # RANGE_LOOP (a padding mask): pure rows take a loop that loads no bias
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, 0, 0, CAUSAL, PINGPONG,
+                                                 KEYS_RANGE, RAW_SCORES)
+            else:
+                acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                 v_empty, turn_bars, rows, first_row, n_blocks, first_block,
+                                                 key_lo, seq_k, bias_row, qk_scale, 0, 0, CAUSAL, PINGPONG,
+                                                 KEYS_BIAS if HAS_MASK else KEYS_PLAIN, RAW_SCORES)
+            # Q's tile is free once the last S wgmma was waited for: the output leaves through it
+            _write_rows(acc, m_i, l_i, q_tile, o_desc, LSE, batch, head, num_heads, first_row, rows, seq_q,
+                        HAS_MASK)
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_tiles(WG: gl.constexpr, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready,
+                        k_empty, v_ready, v_empty, turn_bars, LSE, num_heads, seq_q, seq_k, n_blocks,
+                        qk_scale, bias_row, n_m_blocks, n_tiles, PINGPONG: gl.constexpr,
+                        RAW_SCORES: gl.constexpr):
+        """A persistent CTA's consumer WG (no causal masking, no mask): its rows of every tile of the CTA
+        (_tile_of), each against all n_blocks key blocks. The next tile's Q loads as soon as this tile's
+        last S product is waited for, while the output is written through a tile of its own (o_tiles), so
+        that one tile's output and the next one's first loads overlap (a CTA a tile pays both in turn)."""
+        CONSUMERS: gl.constexpr = q_tiles.type.shape[0]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        q_tile = q_tiles.index(WG)
+        o_tile = o_tiles.index(WG)
+        q_bar = q_bars.index(WG)
+        q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+        n_local = _n_local_tiles(n_tiles)
+        batch, head, pid_m = _tile_of(0, n_m_blocks, num_heads)
+        first_row = pid_m * (CONSUMERS * BLOCK_M) + WG * BLOCK_M
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
+        for i in range(n_local):
+            rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            mbarrier.wait(q_bar, i & 1)
+            acc, m_i, l_i = _consumer_blocks(WG, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                             turn_bars, rows, first_row, n_blocks, 0, 0, seq_k, bias_row,
+                                             qk_scale, i * n_blocks, i * (n_blocks + 1), False, PINGPONG,
+                                             KEYS_PLAIN, RAW_SCORES)
+            next_batch, next_head, next_pid_m = _tile_of(i + 1, n_m_blocks, num_heads)
+            next_first_row = next_pid_m * (CONSUMERS * BLOCK_M) + WG * BLOCK_M
+            if i + 1 < n_local:  # Q's tile is free: its last product was waited for
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [next_batch, next_head, next_first_row, 0], q_bar,
+                                                q_tile)
+            tma.store_wait(0)  # the previous tile's output has left o_tile
+            _write_rows(acc, m_i, l_i, o_tile, o_desc, LSE, batch, head, num_heads, first_row, rows, seq_q,
+                        False)
+            batch = next_batch
+            head = next_head
+            first_row = next_first_row
         tma.store_wait(0)
 
     # rows_per_group is not specialised (Triton would compile one variant for 1, one for multiples of 16
     # and one for the rest): its value follows the shape, and a Gluon compile takes seconds
-    @gluon.jit(do_not_specialize=["rows_per_group"])
+    @gluon.jit(do_not_specialize=["rows_per_group", "num_bh"])
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, BIAS, KEY_RANGE, PURE, seq_q,
                                      seq_k, num_heads, group, qk_scale, bias_len, mask_row_b, mask_row_h,
-                                     rows_per_group, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                                     rows_per_group, num_bh, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, HAS_MASK: gl.constexpr,
                                      RANGE_LOOP: gl.constexpr, RAW_SCORES: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                     PERSISTENT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr):
         """HAS_MASK: a padding mask, given as its rows' bias (BIAS, bias_len keys a row), live key ranges
         (KEY_RANGE, (first, last + 1) a row) and pure flags (PURE), row batch * mask_row_b + head *
         mask_row_h (padding_mask_args): the CTA visits only the key blocks its row's range touches. Not
@@ -418,14 +518,18 @@ if GLUON_AVAILABLE:
         Triton forward)."""
         gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
         gl.static_assert(HAS_MASK or not RANGE_LOOP, "RANGE_LOOP is a padding-mask variant")
+        gl.static_assert(not (PERSISTENT and (CAUSAL or HAS_MASK)), "persistent: every tile the same work")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         if CAUSAL:
             rank, bh = _heaviest_first(rows_per_group)
             pid_m = gl.num_programs(0) - 1 - rank  # rank 0: the last query block, which sees the most keys
-        else:  # every block the same work
+        else:  # every block the same work (PERSISTENT: the partitions take their tiles from _tile_of)
             pid_m = gl.program_id(0)
             bh = gl.program_id(1)
+        # PERSISTENT: tiles of CONSUMERS * BLOCK_M query rows of a (batch, head), num_bh of those
+        n_m_blocks = (seq_q + CONSUMERS * BLOCK_M - 1) // (CONSUMERS * BLOCK_M)
+        n_tiles = n_m_blocks * num_bh
         m0 = pid_m * (CONSUMERS * BLOCK_M)
         batch = bh // num_heads
         head = bh % num_heads
@@ -448,6 +552,10 @@ if GLUON_AVAILABLE:
 
         q_block: gl.constexpr = q_desc.block_type.shape
         q_tiles = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_block, q_desc.layout)
+        if PERSISTENT:  # the output leaves through tiles of its own while the next tile's Q loads
+            o_tiles = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + q_block, o_desc.layout)
+        else:  # through Q's
+            o_tiles = q_tiles
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -470,34 +578,36 @@ if GLUON_AVAILABLE:
         # the producer are workers.
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
-                (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
+                (_consumer, (0, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
+                (_consumer, (1, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, first_block, n_blocks)),
+                             head // group, first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles,
+                             PERSISTENT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consumer, (0, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
-                (_consumer, (1, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
-                (_consumer, (2, q_desc, o_desc, q_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                             v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k, n_blocks,
-                             qk_scale, bias_row, pure != 0, key_lo, first_block, CAUSAL, PINGPONG,
-                             HAS_MASK, RANGE_LOOP, RAW_SCORES)),
+                (_consumer, (0, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
+                (_consumer, (1, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
+                (_consumer, (2, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
+                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, first_block, n_blocks)),
+                             head // group, first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles,
+                             PERSISTENT)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -598,7 +708,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, stages, pingpong, consumers, raw_scores = _full_config(config)
+    block_n, stages, pingpong, consumers, raw_scores, persistent = _full_config(config)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     signature = {}
     for name, rows in (("q_desc", BLOCK_M), ("k_desc", block_n), ("v_desc", block_n), ("o_desc", BLOCK_M)):
@@ -606,10 +716,10 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     signature.update(LSE="*fp32", BIAS="*fp32", KEY_RANGE="*i32", PURE="*i32", seq_q="i32", seq_k="i32",
                      num_heads="i32", group="i32", qk_scale="fp32", bias_len="i32", mask_row_b="i32",
-                     mask_row_h="i32", rows_per_group="i32")
+                     mask_row_h="i32", rows_per_group="i32", num_bh="i32")
     maxnreg, consumer_regs = _REGS[consumers]
     constexprs = dict(CONSUMERS=consumers, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                      RAW_SCORES=raw_scores, HAS_MASK=mask,
+                      RAW_SCORES=raw_scores, PERSISTENT=persistent, HAS_MASK=mask,
                       RANGE_LOOP=mask and head_dim in RANGE_LOOP_HEAD_DIMS,
                       PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=consumer_regs)
     signature.update({name: "constexpr" for name in constexprs})
@@ -617,10 +727,18 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
 
 
+def routed_config(head_dim: int, seq_q: int, causal: bool, has_mask: bool) -> tuple:
+    """The configuration a routed call runs: CONFIGS', persistent (PERSISTENT_MAX_SEQ_Q_128) where that
+    measured faster."""
+    config = _full_config(CONFIGS[(head_dim, causal)])
+    persistent = head_dim == 128 and not (causal or has_mask) and seq_q <= PERSISTENT_MAX_SEQ_Q_128
+    return (*config[:5], persistent)
+
+
 def _full_config(config) -> tuple:
-    """(BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES); a 4-tuple (the probes' older configurations) runs
-    without RAW_SCORES."""
-    return (*config, False)[:5]
+    """(BLOCK_N, STAGES, PINGPONG, CONSUMERS, RAW_SCORES, PERSISTENT); shorter tuples (the probes' older
+    configurations) run without the options they lack."""
+    return (*config, False, False)[:6]
 
 
 @functools.cache
@@ -659,7 +777,7 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
                                     rows_per_group=None):
     """Fill out (B, H, Sq, D) and lse (B, H, Sq, contiguous) with the Gluon forward; the caller checked
     hopper_forward_supported(...), that out is TMA-compatible and that scale > 0. config = (BLOCK_N, STAGES,
-    PINGPONG, CONSUMERS[, RAW_SCORES]); attn_mask: None or a padding mask (padding_mask_ok);
+    PINGPONG, CONSUMERS[, RAW_SCORES[, PERSISTENT]]); attn_mask: None or a padding mask (padding_mask_ok);
     rows_per_group: the launch order's (_heaviest_first; heaviest_first_rows's when None)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -671,16 +789,20 @@ def attention_forward_hopper_launch(q, k, v, scale, causal, out, lse, config=Non
     if not _tma_ok(out) or not lse.is_contiguous():
         raise ValueError("attention_forward_hopper_launch: out needs TMA-compatible strides and lse to be "
                          "contiguous (B, H, Sq)")
-    block_n, stages, pingpong, consumers, raw_scores = _full_config(config or CONFIGS[(D, causal)])
+    config = _full_config(config or routed_config(D, Sq, causal, attn_mask is not None))
+    block_n, stages, pingpong, consumers, raw_scores, persistent = config
     maxnreg, consumer_regs = _REGS[consumers]
     bias, key_ranges, pure, mask_ints, has_mask = padding_mask_args(attn_mask, Sk, lse)
     grid = (cdiv(Sq, consumers * BLOCK_M), B * H)
     if rows_per_group is None:
         rows_per_group = heaviest_first_rows(*grid, causal, q.device, HEAVIEST_FIRST_WAVES)
+    persistent = persistent and not (causal or has_mask)
+    if persistent:  # a CTA an SM, each taking every sm_count-th tile (_tile_of)
+        grid = (min(grid[0] * grid[1], sm_count(q.device)), 1)
     fast_kernel(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M),
-        lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, rows_per_group,
-        CONSUMERS=consumers, RAW_SCORES=raw_scores,
+        lse, bias, key_ranges, pure, Sq, Sk, H, H // Hkv, scale * LOG2E, *mask_ints, rows_per_group, B * H,
+        CONSUMERS=consumers, RAW_SCORES=raw_scores, PERSISTENT=persistent,
         STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, HAS_MASK=has_mask,
         RANGE_LOOP=has_mask and D in RANGE_LOOP_HEAD_DIMS, PRODUCER_REGS=_PRODUCER_REGS,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
