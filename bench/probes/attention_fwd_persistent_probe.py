@@ -23,7 +23,8 @@ from flash_backend.kernels import attention_fwd_hopper as gluon_fwd
 CONFIGS = {
     64: [(128, 2, True, 3, False), (128, 2, True, 2, False, True), (128, 2, False, 2, False, True),
          (128, 2, True, 2, False)],
-    128: [(128, 2, True, 2, False), (128, 2, True, 2, False, True)],
+    128: [(128, 2, True, 2, False), (128, 2, True, 2, False, True), (128, 2, False, 2, False, True),
+          (128, 3, True, 2, False)],
 }
 SHAPES = {  # B, H, Hkv, S
     64: [(16, 16, 16, 1024), (8, 16, 16, 2048), (4, 16, 16, 4096), (2, 16, 16, 8192)],
