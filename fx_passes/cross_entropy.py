@@ -35,6 +35,14 @@ every other user: the op returns them too, so a model that also returns them (``
 label_smoothing or ignore_index that dynamic=True made a symbolic input (a loss module stored on the model)
 is specialised, with a guard, once every other check has passed.
 
+Also an (N, C, d1, ..) input, whose classes F.cross_entropy reads at dim 1, with a target (N, d1, ..), when
+it is such logits L, (N, d1, .., C), with their class dimension moved to dim 1 and the others kept in order:
+``F.cross_entropy(logits.transpose(1, 2), y)`` (``permute(0, 2, 1)``, ``transpose(-1, -2)``, ``.mT``,
+``movedim(-1, 1)``; seq2seq and token-classification code), then possibly ``contiguous()`` and a cast up to
+fp32. The loss at (n, i..) is then that of L's row (n, i..) with the target's (n, i..): the op gets the target
+flattened, row-major as L's rows, and its per-row loss (reduction='none') is reshaped as the target, as
+eager's is (_classes_moved_to_dim_1).
+
 The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
 ``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
 ``torch.special.log_softmax`` and ``z.log_softmax(-1)`` too, these three also with NumPy's ``axis=`` for
@@ -44,13 +52,18 @@ implicit dim on a 2-D z), computed in z's dtype or with
 ``dtype=torch.float32`` (z cast up first: the upcast above), and its output, possibly reshaped keeping the
 class dimension last (``F.log_softmax(logits, -1).view(-1, V)``) or with rows selected as above (the
 log_softmax is row-wise: that is a selection of the logits' rows), must be read by the nll_loss only: the
-op does not return log-probabilities. nll_loss's ignore_index and reduction mean what cross_entropy's do
-(label_smoothing 0); its class weights and legacy arguments are left alone as cross_entropy's are. An
-nll_loss whose input is not a log_softmax (seen through views, transposes and casts) is not a candidate.
+op does not return log-probabilities. With classes at dim 1, the log-probabilities of logits whose classes
+are last moved there (``F.log_softmax(logits, -1).transpose(1, 2)``), or the log_softmax over dim 1 of the
+moved logits (``F.log_softmax(logits.transpose(1, 2), dim=1)``), as above. nll_loss's ignore_index and
+reduction mean what cross_entropy's do (label_smoothing 0); its class weights and legacy arguments are left
+alone as cross_entropy's are. An nll_loss whose input is not a log_softmax (seen through views, transposes
+and casts) is not a candidate.
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
-probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input that is not
-(M, V) (a class dimension other than the last), a step in the chain that changes values or row order (a slice,
+probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input whose class
+dimension is not the Linear's last, alone moved to dim 1 (a Conv1d's (N, C, L) output, ``transpose(0, 2)``,
+``permute(1, 2, 0)`` of sequence-first logits, which pairs rows with other rows' targets, a row selection
+after the transpose), a step in the chain that changes values or row order (a slice,
 step, index, narrow, select or unbind along the class dimension, a new axis, an integer tensor index (it may
 pick a row twice), a mask computed from the logits, a row selection after a reshape that regrouped the rows, a
 transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), logits that do not come from an
@@ -71,6 +84,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -93,6 +107,7 @@ from fx_passes._match import (
     is_op,
     linear_operand_writer,
     linear_operands,
+    norm_dim,
     op_name,
     out_writer,
     state_crossing,
@@ -173,11 +188,16 @@ def _check_arguments(args: dict) -> None:
     inp, target = tensor_meta(args["input"]), tensor_meta(args["target"])
     if inp is None or target is None:
         raise _Miss("the input or target has no tensor metadata")
-    if inp.dim() != 2:
+    if inp.dim() < 2:
         raise _Miss(f"the input is {inp.dim()}-D: only (M, classes) inputs, whose class dimension is the "
-                    "last, are fused")
-    if target.dtype != torch.int64 or target.dim() != 1:
+                    "last, and (N, classes, d1, ..) ones are fused")
+    if inp.dim() == 2 and (target.dtype != torch.int64 or target.dim() != 1):
         raise _Miss(f"the target is {target.dtype} {tuple(target.shape)}, not (M,) int64 class indices")
+    rows = (inp.shape[0], *inp.shape[2:])
+    if inp.dim() > 2 and (target.dtype != torch.int64 or target.dim() != len(rows) or not all(
+            statically_known_true(a == b) for a, b in zip(target.shape, rows, strict=True))):
+        raise _Miss(f"the target is {target.dtype} {tuple(target.shape)}, not (N, d1, ..) int64 class "
+                    f"indices for the {inp.dim()}-D input, whose classes are at dim 1")
 
 
 def _is_reshape_keeping_classes(step: torch.fx.Node, source: torch.fx.Node) -> bool:
@@ -192,6 +212,82 @@ def _is_upcast(step: torch.fx.Node, source: torch.fx.Node) -> bool:
     out, inp = tensor_meta(step), tensor_meta(source)
     return out is not None and inp is not None and out.dtype == torch.float32 and \
         inp.dtype in (*_LOW_PRECISION, torch.float32) and out.device == inp.device and out.shape == inp.shape
+
+
+_PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "adjoint"}
+
+
+def _permutation(node: object) -> tuple[torch.fx.Node, list[int]] | None:
+    """(t, p) when node is t with its dimensions permuted, its dimension i being t's p[i]: ``transpose`` /
+    ``swapaxes`` / ``swapdims``, ``permute``, ``movedim`` / ``moveaxis`` (any spelling, dims by keyword too),
+    ``.mT``, ``.mH`` and ``adjoint()`` (the conjugate of a real tensor is itself), ``.T``; else None. The
+    permutation is read from the call itself, run on a meta tensor of sizes 2, 3, .. (each stride of the
+    result names the dimension it came from), so that every spelling means what torch makes of it."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or \
+            not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    source, inp, out = node.args[0], tensor_meta(node.args[0]), tensor_meta(node)
+    if node.op == "call_function" and node.target is getattr:
+        if node.args[1:] not in (("mT",), ("mH",), ("T",)):
+            return None
+        fn = getattr
+    elif op_name(node) in _PERMUTES:
+        fn = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
+    else:
+        return None
+    computed: list[torch.fx.Node] = []  # a dimension computed in the graph: not a constant permutation
+    torch.fx.node.map_arg((node.args[1:], node.kwargs), computed.append)
+    if inp is None or out is None or inp.dim() < 2 or out.dim() != inp.dim() or inp.is_complex() or computed:
+        return None
+    probe = torch.empty(tuple(range(2, inp.dim() + 2)), device="meta")
+    try:
+        with warnings.catch_warnings():  # .T beyond 2-D is deprecated: eager's call warns, not this one
+            warnings.simplefilter("ignore")
+            permuted = fn(probe, *node.args[1:], **node.kwargs)
+    except Exception:  # noqa: BLE001 - arguments torch refuses: no permutation to read
+        return None
+    strides = list(probe.stride())
+    if not isinstance(permuted, torch.Tensor) or sorted(permuted.stride()) != sorted(strides):
+        return None
+    return source, [strides.index(s) for s in permuted.stride()]
+
+
+def _classes_moved_to_dim_1(node: torch.fx.Node, casts: bool = True
+                            ) -> tuple[list[torch.fx.Node], torch.fx.Node, bool]:
+    """(the steps from node back to a permutation, latest first and the permutation last; its input; whether a
+    step casts up) when node, an (N, C, d1, .., dk) input whose classes F.cross_entropy and F.nll_loss read at
+    dim 1, is logits L of shape (N, d1, .., dk, C) with their last (class) dimension moved to dim 1 and the
+    others kept in order: ``L.transpose(1, 2)``, ``L.permute(0, 2, 1)``, ``L.mT``, ``L.transpose(-1, -2)``,
+    ``L.movedim(-1, 1)``, followed by ``contiguous()`` and, where casts, casts up to fp32 (_is_upcast).
+    Element (n, c, i..) is then L[n, i.., c], so the loss at (n, i..) is the loss of L's row (n, i..) with the
+    target's (n, i..), and the loss over the rows of L, in the target's row-major order: what the fused op
+    computes from L's Linear with the target flattened. ([], node, False) for a 2-D node; else _Miss: any
+    other permutation (one that also reorders d1, .., dk or N pairs a row with another row's target), a
+    class dimension at 1 that comes from no transpose of L (a Conv1d's output), or a step between."""
+    meta = tensor_meta(node)
+    if meta is None or meta.dim() <= 2:
+        return [], node, False
+    n, steps, upcast = meta.dim(), [], False
+    while (permuted := _permutation(node)) is None:
+        name = op_name(node)
+        source = node.args[0] if isinstance(node, torch.fx.Node) and node.args else None
+        if name == "contiguous" and isinstance(source, torch.fx.Node) and _same_shape(node, source):
+            pass
+        elif casts and name in _CASTS and isinstance(source, torch.fx.Node) and _is_upcast(node, source):
+            upcast = upcast or tensor_meta(source).dtype != torch.float32
+        else:
+            what = f"{name or getattr(node, 'target', node)} ({getattr(node, 'name', node)})"
+            through = "contiguous() and casts up to fp32" if casts else "contiguous()"
+            raise _Miss(f"the input is {n}-D, its classes at dim 1, and comes from {what}, not from a "
+                        f"transpose of logits whose class dimension is the last (through {through} only)")
+        steps.append(node)
+        node = source
+    source, p = permuted
+    if p != [0, n - 1, *range(1, n - 1)]:
+        raise _Miss(f"the input is {n}-D, its classes at dim 1, and {node.name} permutes the logits' "
+                    f"dimensions by {tuple(p)}: not {(0, n - 1, *range(1, n - 1))}, which moves their last "
+                    "(class) dimension to dim 1 and keeps the others in order")
+    return [*steps, node], source, upcast
 
 
 def _transposed_2d(node: object) -> torch.fx.Node | None:
@@ -563,16 +659,19 @@ def _log_softmax_tail(nll: torch.fx.Node) -> list[torch.fx.Node] | None:
         tail.append(node)
         if is_op(node, "log_softmax"):  # F, torch, Tensor and torch.special (nn.LogSoftmax: F)
             return tail
-        if op_name(node) not in _TAIL_STEPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if op_name(node) not in _TAIL_STEPS and _permutation(node) is None or not node.args or \
+                not isinstance(node.args[0], torch.fx.Node):  # (_permutation: ``.mT`` too)
             return None
         node = node.args[0]
     return None
 
 
-def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+def _log_softmax_input(log_softmax: torch.fx.Node, classes_at_dim_1: bool = False
+                       ) -> tuple[torch.fx.Node, bool]:
     """(z, whether the log_softmax casts z up to fp32) when the log_softmax is z's over its last (the
-    class) dimension, computed in z's dtype or in fp32 (``dtype=torch.float32``: z cast up first, which
-    is what F.cross_entropy(z.float()) computes); else _Miss with the reason."""
+    class) dimension, or over dim 1 where classes_at_dim_1 (z an (N, C, d1, ..) input of the nll_loss),
+    computed in z's dtype or in fp32 (``dtype=torch.float32``: z cast up first, which is what
+    F.cross_entropy(z.float()) computes); else _Miss with the reason."""
     signature = F.log_softmax if log_softmax.target is F.log_softmax else _log_softmax_signature
     args = bound_arguments(log_softmax, signature)
     if args is None or not isinstance(args["input"], torch.fx.Node):
@@ -587,7 +686,10 @@ def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]
         dim = 0 if meta.dim() in (0, 1, 3) else 1  # F.log_softmax's deprecated implicit dim
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise _Miss(f"the log_softmax {log_softmax.name}'s dim={dim!r} is not a constant int")
-    if not is_last_dim(dim, meta.dim()):
+    if classes_at_dim_1 and norm_dim(dim, meta.dim()) != 1:
+        raise _Miss(f"the log_softmax {log_softmax.name} is over dim {dim} of its {meta.dim()}-D input, not "
+                    "over the class dimension (1, where the nll_loss reads the classes of that input)")
+    if not classes_at_dim_1 and not is_last_dim(dim, meta.dim()):
         raise _Miss(f"the log_softmax {log_softmax.name} is over dim {dim} of its {meta.dim()}-D input, not "
                     "over the class dimension (the last)")
     if dtype is None:
@@ -601,7 +703,8 @@ def _log_softmax_input(log_softmax: torch.fx.Node) -> tuple[torch.fx.Node, bool]
 def _rewrite_cross_entropy(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None:
     args = _arguments(ce)
     _check_arguments(args)
-    _rewrite_one(graph, fn, ce, args, args["input"], [], False, "F.cross_entropy")
+    moved, logits, upcasts = _classes_moved_to_dim_1(args["input"])
+    _rewrite_one(graph, fn, ce, args, logits, moved, upcasts, "F.cross_entropy", classes_moved=bool(moved))
 
 
 def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[torch.fx.Node]) -> None:
@@ -613,16 +716,35 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
         raise _Miss("cannot read the arguments of F.nll_loss")
     args = {**args, "label_smoothing": 0.0}  # F.cross_entropy's default: nll_loss has none
     _check_arguments(args)
-    for reader, step in zip([nll, *tail], tail[:-1], strict=False):
+    # An (N, C, d1, ..) input, classes at dim 1: the log-probabilities of logits whose classes are last, moved
+    # there after the log_softmax (``F.log_softmax(L, -1).transpose(1, 2)``: the steps up to that transpose
+    # are moved), or the log_softmax over dim 1 of those logits moved first (``F.log_softmax(L.transpose(1,
+    # 2), 1)``: softmax_at_dim_1, the steps before it then contiguous() alone)
+    moved, softmax_at_dim_1 = [], False
+    if tensor_meta(args["input"]).dim() > 2:
+        if any(_permutation(step) is not None for step in tail[:-1]):
+            moved = _classes_moved_to_dim_1(args["input"], casts=False)[0]
+        else:
+            softmax_at_dim_1 = True
+    for reader, step in zip([nll, *tail][len(moved):], tail[len(moved):-1], strict=False):
         # a selection of rows commutes with the row-wise log_softmax: F.log_softmax(z, -1)[:, :-1] is
         # F.log_softmax(z[:, :-1], -1), a row selection of the logits (_row_selections)
-        if not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0]) or
-                _row_selection(step) is not None or
-                is_op(step, "unbind") and _row_selection(reader) is not None):
+        if softmax_at_dim_1:
+            if not (is_op(step, "contiguous") and _same_shape(step, step.args[0])):
+                raise _Miss(f"the log-probabilities over dim 1 pass through {op_name(step) or step.target} "
+                            f"({step.name}) between the log_softmax and the nll_loss: only contiguous() is "
+                            "taken there")
+        elif not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0]) or
+                  _row_selection(step) is not None or
+                  is_op(step, "unbind") and _row_selection(reader) is not None):
             raise _Miss(f"the log-probabilities pass through {op_name(step) or step.target} ({step.name}) "
                         "between the log_softmax and the nll_loss, which is not a reshape keeping the class "
                         "dimension last or a selection of rows")
-    z, upcasts = _log_softmax_input(tail[-1])
+    z, upcasts = _log_softmax_input(tail[-1], softmax_at_dim_1)
+    before = []  # the transpose of the logits (and casts) before a log_softmax over dim 1
+    if softmax_at_dim_1:
+        before, z, moved_upcast = _classes_moved_to_dim_1(z)
+        upcasts = upcasts or moved_upcast
     for node, reader in zip(tail, [nll, *tail], strict=False):
         # (a selection's row counts are redirected by _rewrite_one)
         sizes = _row_count_reads(node) if _row_selection(node) is not None else []
@@ -630,7 +752,8 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
         if others:
             raise _Miss(f"the log-probabilities {node.name} are also used by {', '.join(others)}: the fused "
                         "op does not compute them")
-    _rewrite_one(graph, fn, nll, args, z, tail, upcasts, "F.nll_loss")
+    _rewrite_one(graph, fn, nll, args, z, [*tail, *before], upcasts, "F.nll_loss",
+                 classes_moved=softmax_at_dim_1 or bool(moved))
 
 
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -716,6 +839,13 @@ def _computed_from(node: object, source: torch.fx.Node) -> bool:
     return False
 
 
+def _step_name(node: torch.fx.Node) -> str:
+    """What a step of the chain is called in the report: its op, or the attribute read (``.mT``)."""
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return str(node.args[1])
+    return op_name(node) or str(node.target)
+
+
 def _slower_than_unfused(*inputs) -> bool:
     metas = [tensor_meta(t) for t in inputs if t is not None]
     on_cuda = any(m is not None and m.device.type == "cuda" for m in metas)
@@ -723,11 +853,15 @@ def _slower_than_unfused(*inputs) -> bool:
 
 
 def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logits_input: torch.fx.Node,
-                 tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str) -> None:
+                 tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str, classes_moved: bool = False
+                 ) -> None:
     """Rewrite the loss ce, whose cross-entropy arguments (checked) are args and whose logits logits_input
     are (through the chain _logits_source walks) those of an F.linear. tail: the nodes between
-    logits_input and ce, latest first (empty for F.cross_entropy; the log_softmax and the reshapes after
-    it for F.nll_loss), already proven to compute nothing else; tail_upcasts: whether they cast up."""
+    logits_input and ce, latest first (for F.cross_entropy the transpose moving the classes to dim 1 and
+    what follows it, or nothing; for F.nll_loss also the log_softmax and the reshapes after it), already
+    proven to compute nothing else; tail_upcasts: whether they cast up. classes_moved: ce's input is
+    (N, C, d1, ..), the logits' classes moved to dim 1 (_classes_moved_to_dim_1), and its target (N, d1, ..):
+    the op gets the target flattened, and eager's per-row loss (reduction='none') has the target's shape."""
     linear, chain, upcast, added_bias, scale = _logits_source(logits_input)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
     slices = _row_selections(chain)
@@ -737,7 +871,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     logits_node = scale[2] if scale is not None else chain[-1] if added_bias is not None else linear
     head = {"linear": "F.linear", "addmm": "addmm(b, x, w.t())", "einsum": "einsum"}.get(op_name(linear),
                                                                                         "x @ w.t()")
-    variant = " -> ".join([head, *(op_name(n) or str(n.target) for n in reversed(chain)), loss_name])
+    variant = " -> ".join([head, *(_step_name(n) for n in reversed(chain)), loss_name])
     writer = out_writer([linear, *chain, ce])
     if writer is not None:
         raise _Miss(f"{variant}: {writer.name} also writes its result into out=, which the fused op would "
@@ -801,11 +935,19 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         if bias is not None:
             bias = insert_call(graph, torch.mul, (bias, factor), like=logits_node)
             inserted.append(bias)
+    if classes_moved:  # (N, d1, ..) -> (M,), row-major: the logits' row order (_classes_moved_to_dim_1)
+        target = insert_call(graph, torch.reshape, (target, (-1,)), like=ce)
+        inserted.append(target)
     if slices:
         target, positions, grids = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
     op_args = (x, weight, bias, target)
-    # The op's per-row loss (reduction='none') covers every row of x; eager's the selected ones
-    want_rows = val(target) if positions is not None and args["reduction"] == "none" else want_loss
+    # The op's per-row loss (reduction='none') covers every row of x, flat; eager's the selected ones, shaped
+    # as the target
+    per_row = args["reduction"] == "none"
+    want_rows = val(target) if per_row and (positions is not None or classes_moved) else want_loss
+    if per_row and classes_moved and not _same_shape(ce, args["target"]):
+        erase_unused(graph, inserted)
+        raise _Miss(f"{variant}: eager's per-row loss is not shaped as the target")
     try:
         try:
             result = fake_call(fn, op_args, kwargs)
@@ -828,8 +970,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         raise _Miss(f"{variant}: {crossing}")
     fused = insert_call(graph, fn, op_args, kwargs, like=ce)
     loss, logits = insert_getitem(graph, fused, 0), insert_getitem(graph, fused, 1)
-    if positions is not None and args["reduction"] == "none":  # back to the selected rows, in their order
+    if positions is not None and per_row:  # back to the selected rows, in their order
         loss = insert_call(graph, torch.index_select, (loss, 0, positions), like=ce)
+    if classes_moved and per_row:  # (M,) -> (N, d1, ..)
+        loss = insert_call(graph, torch.Tensor.reshape_as, (loss, args["target"]), like=ce)
     ce.replace_all_uses_with(loss)
     for step, grid in grids.items():
         for size in _row_count_reads(step):

@@ -53,8 +53,13 @@ activations in fp32 writes it) when its fp32 result is cast straight back to the
 (``.to(x.dtype)``, ``.type_as(x)``): the op computes the GELU in fp32 and rounds it once to that dtype, which
 is exactly that (_through_upcast). Used in fp32 it is left alone, reported: the op would return it rounded. An
 fp32 Linear's ``.float()`` is the identity. The cast back may name the pre-activation itself, fairseq's
-``utils.gelu``: ``F.gelu(h.float()).type_as(h)`` reads h for its dtype only, so that ``type_as`` is no other
-reader of h (_dtype_references); in fp32 it is the identity after the GELU, and it becomes the op's output.
+``utils.gelu``: ``F.gelu(h.float()).type_as(h)`` and ``F.gelu(h.float()).to(h)`` read h for its dtype only,
+so that ``type_as`` / ``to`` is no other reader of h (_dtype_references); in fp32, and after a GELU computed
+in h's dtype (``F.gelu(h).to(h)``), it is the identity after the GELU, and it becomes the op's output. A cast
+after the GELU to another tensor's dtype, ``.to(t)``, is no reader of h: it stays, reading the op's output,
+where it is the same function (the GELU in h's dtype, then cast: ``F.gelu(h).to(t)``), and is left alone,
+reported, where it is not (``F.gelu(h.float()).to(t)``, t neither fp32 nor h's dtype: eager rounds the fp32
+GELU once to t's dtype, the op to h's).
 
 Under autocast the Linear computes in a lower dtype than its operands, which it casts (x, the weight, and
 F.linear's or addmm's own bias), and the GELU runs on its output in that dtype: the rewrite casts the same
@@ -516,9 +521,11 @@ def _is_cast(node: torch.fx.Node, source: torch.fx.Node, dtype: torch.dtype) -> 
 
 
 def _dtype_references(h: torch.fx.Node) -> list[torch.fx.Node]:
-    """h's users that read only its dtype: ``t.type_as(h)`` of another tensor t (fairseq's ``utils.gelu``,
-    ``F.gelu(x.float()).type_as(x)``, casts the GELU back by naming the pre-activation)."""
-    return [u for u in h.users if op_name(u) == "type_as" and len(u.args) == 2 and not u.kwargs
+    """h's users that read only its dtype (and device): ``t.type_as(h)`` or ``t.to(h)`` of another tensor t
+    (fairseq's ``utils.gelu``, ``F.gelu(x.float()).type_as(x)``, casts the GELU back by naming the
+    pre-activation; ``.to(x)`` is that cast spelled with Tensor.to's tensor overload). ``.to(h.dtype)`` and
+    ``.to(dtype=h.dtype)`` do not read h: dynamo records them with the dtype itself (_is_cast)."""
+    return [u for u in h.users if op_name(u) in ("type_as", "to") and len(u.args) == 2 and not u.kwargs
             and u.args[1] is h and u.args[0] is not h]
 
 
@@ -536,16 +543,18 @@ def _upcast_after(h: torch.fx.Node) -> torch.fx.Node | None:
 
 def _cast_back_by_reference(variant: str, h: torch.fx.Node, end: torch.fx.Node,
                             region: set[torch.fx.Node]) -> tuple[str, torch.fx.Node, set[torch.fx.Node]]:
-    """(variant, end, region) taking in the ``gelu.type_as(h)`` that reads h for its dtype (fairseq), when h
-    has one: it must be the cast that ends the GELU (_through_upcast took it as end for fp16/bf16 h; for
-    fp32 h it is the identity after the GELU, its only user), else _Miss: h is read elsewhere."""
+    """(variant, end, region) taking in the ``gelu.type_as(h)`` / ``gelu.to(h)`` that reads h for its dtype
+    (fairseq), when h has one: it must be the cast that ends the GELU (_through_upcast took it as end for
+    fp16/bf16 h cast up; for fp32 h, or a GELU computed in h's dtype, ``F.gelu(h).to(h)``, it is the identity
+    after the GELU, its only user: the same dtype, on h's device), else _Miss: h is read elsewhere."""
     refs = _dtype_references(h)
     if refs in ([], [end]):
         return variant, end, region
-    if len(refs) == 1 and refs[0].args[0] is end and len(end.users) == 1 and \
-            getattr(tensor_meta(refs[0]), "dtype", None) == getattr(tensor_meta(end), "dtype", False):
-        return f"{variant} (.type_as the pre-activation)", refs[0], region | {end}
-    raise _Miss(f"{variant}: the linear output also feeds {refs[0].name}, so its pre-activation is needed; "
+    ref, metas = refs[0], (tensor_meta(refs[0]), tensor_meta(end))
+    if len(refs) == 1 and ref.args[0] is end and len(end.users) == 1 and None not in metas and \
+            metas[0].dtype == metas[1].dtype and metas[0].device == metas[1].device:
+        return f"{variant} (.{op_name(ref)} the pre-activation)", ref, region | {end}
+    raise _Miss(f"{variant}: the linear output also feeds {ref.name}, so its pre-activation is needed; "
                 "not fused")
 
 
@@ -565,6 +574,12 @@ def _through_upcast(variant: str, h: torch.fx.Node, up: torch.fx.Node, end: torc
         return variant, end, region
     name = str(dtype).removeprefix("torch.")
     downs = [u for u in end.users if _is_cast(u, end, dtype)]
+    other = [u for u in end.users if op_name(u) in _CASTS and getattr(tensor_meta(u), "dtype", dtype) not in
+             (dtype, torch.float32)]
+    if len(end.users) == 1 and other:  # ``.to(t)``, t of a third dtype: eager rounds the fp32 GELU to that
+        cast = str(tensor_meta(other[0]).dtype).removeprefix("torch.")
+        raise _Miss(f"{variant}: the GELU of the {name} pre-activation cast up to fp32 is cast to {cast} (by "
+                    f"{other[0].name}), not back to {name}: the fused op rounds it to {name}; not fused")
     if len(end.users) != 1 or not downs:
         users = ", ".join(u.name for u in end.users) or "nothing"
         raise _Miss(f"{variant}: the GELU of the {name} pre-activation cast up to fp32 is used in fp32 (by "
@@ -617,7 +632,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, linear: torch.fx.Node) -> bool:
     if up is not None:
         region = region | {up}
         variant, end, region = _through_upcast(variant, h, up, end, region)
-        variant, end, region = _cast_back_by_reference(variant, h, end, region)
+    variant, end, region = _cast_back_by_reference(variant, h, end, region)
     into = out_writer((linear, *region))
     if into is not None:  # torch.addmm(.., out=buf), torch._C._nn.gelu(h, out=buf): buf is written too
         raise _Miss(f"{variant}: {into.name} also writes its result into out=, which the fused op would "
