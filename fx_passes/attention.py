@@ -10,19 +10,23 @@ code spells attention in too many equivalent ways (matmul / @ / bmm / einsum; sc
 scores, by a number or a sqrt tensor; masks added, filled or selected, in either operand order; casts and
 dropout anywhere on the probabilities; repeat_kv for GQA; einsum k and v with no head subscript for
 multi-query, "bhid,bjd->bhij") for a table of traced patterns to cover their product. The walk starts at
-every softmax (also written out, or as exp(log_softmax)) and every SDPA call, follows the chain down to
-q·kᵀ and up to ·v, and rewrites only when each step is proven equivalent:
+every softmax (also written out, as exp / sum or exp · (1 / sum), as exp(log_softmax) or as
+exp(s - logsumexp(s))) and every SDPA call, follows the chain down to q·kᵀ and up to ·v, and rewrites only
+when each step is proven equivalent:
 softmax over the last dim, kᵀ a transpose of k's last two dims, a constant positive scale, masks whose
 broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
 to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
-near miss, reported with its reason. Masks built from constants only (tril/triu, arange comparisons) are
-evaluated at compile time: a causal one becomes ``is_causal=True`` (bottom-right aligned, FlashAttention's
-``causal_alignment="bottom_right"``, for the band of KV-cache decoding with Sq < Sk) and an all-visible one
-disappears. So are masks built by statements (in-place writes, also through views or in-place results,
-when every read comes after them) and from a template read for its shape only (``q.new_ones(S,
-S).tril()``) or cast with one (``m.type_as(q)``, ``m.to(q)``: Meta's Llama reference); a graph input (a
-registered buffer) never is. q and k cast up to fp32 for the scores of half-precision attention (GPT-J),
-with the probabilities cast back to v's dtype, are taken before their casts (_strip_score_upcasts).
+near miss, reported with its reason. Old GPT-2's ``w * b - 1e4 * (1 - b)`` is a mask when b provably holds
+0 and 1 only (_multiplicative_keep). k / v repeated to q's heads (repeat_kv, litgpt's expand + reshape,
+repeat_interleave) reach the op un-repeated, also before an SDPA call (_unrepeat).
+Masks built from constants only (tril/triu, arange comparisons) are evaluated at compile time: a causal one
+becomes ``is_causal=True`` (bottom-right aligned, FlashAttention's ``causal_alignment="bottom_right"``, for
+the band of KV-cache decoding with Sq < Sk) and an all-visible one disappears. So are masks built by
+statements (in-place writes, also through views or in-place results, when every read comes after them) and
+from a template read for its shape only (``q.new_ones(S, S).tril()``) or cast with one (``m.type_as(q)``,
+``m.to(q)``: Meta's Llama reference); a graph input (a registered buffer) never is. q and k cast up to
+fp32 for the scores of half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are
+taken before their casts (_strip_score_upcasts).
 
 Under autocast (around the compiled call or a region inside it) q·kᵀ, ·v and SDPA compute in the autocast
 dtype from fp32 (or mixed) operands, which they cast: the op gets q, k, v (and SDPA's float attn_mask,
@@ -496,6 +500,10 @@ class _Masks:
         # The shape of the scores where each mask applies, when a view of their leading dims differs
         # from q·kᵀ's (a mask added to the (B, H, Sq, Sk) view of bmm's (B·H, Sq, Sk) scores).
         self.stages: dict[Node, tuple] = {}
+        # Float keep masks proven to hold 0 and 1 only (_zero_one), which old GPT-2 multiplies the scores
+        # by (_multiplicative_mask): visible where 1. Compile-time checks read them as bool (x.to(bool));
+        # the op gets b != 0.
+        self.zero_one: set[Node] = set()
 
     def empty(self) -> bool:
         return not self.keeps and not self.additive
@@ -514,7 +522,7 @@ class _Masks:
                     f"{list(stage)} without enlarging them"
                 )
         for node, _ in self.keeps:
-            if _dtype(node) != torch.bool:
+            if _dtype(node) != torch.bool and node not in self.zero_one:
                 raise _Skip(f"mask condition has dtype {_dtype(node)}, not bool")
         for node in self.additive:
             if not _dtype(node).is_floating_point and node not in self.casts:
@@ -712,7 +720,10 @@ class _Masks:
         factors: list[Node] = []
         for node, negate in self.keeps:
             runtime, is_causal = _split_keep(node, sq, sk, masked=negate)
-            factors += [part if is_keep else insert_call(graph, torch.logical_not, (part,), like=like)
+            # (a 0 / 1 float mask, or a factor of one, as the bool mask the op takes: visible where 1)
+            factors += [insert_call(graph, torch.logical_not, (part,), like=like) if not is_keep
+                        else part if _dtype(part) == torch.bool
+                        else insert_call(graph, torch.ne, (part, 0), like=like)
                         for part, is_keep in runtime]
             causal = _and_bands(causal, is_causal)
         for k in factors:
@@ -1013,6 +1024,72 @@ def _zero_or_masked(node, factor: float, depth: int = 12) -> bool:
         except Exception:  # noqa: BLE001 - not a compile-time constant
             return False
     return False
+
+
+# Ops whose result holds only values of their (first) argument, or zeros: 0 / 1 in, 0 / 1 out.
+_VALUE_SUBSETS = ("getitem", "view", "reshape", "expand", "expand_as", "contiguous", "clone", "unsqueeze",
+                  "squeeze", "flatten", "unflatten", "transpose", "permute", "narrow", "select", "detach",
+                  "repeat", "repeat_interleave", "tril", "triu", "broadcast_to")
+# Factories of zeros or ones (no fill value to read).
+_ZERO_ONE_FACTORIES = ("ones", "zeros", "ones_like", "zeros_like", "new_ones", "new_zeros")
+
+
+def _zero_one(node, depth: int = 12) -> bool:
+    """Whether a tensor provably holds 0 and 1 only, whatever the inputs: a bool tensor (and any cast of
+    one: ``keep.float()``, ``keep.to(w.dtype)``, ``keep.type_as(w)``), a factory of ones or zeros and its
+    tril / triu (``torch.tril(torch.ones(S, S))``), views, slices and copies of those, products of two of
+    them, or a compile-time constant of 0s and 1s. Seen through structurally also under dynamic shapes.
+    A runtime float or integer tensor (a registered buffer, which dynamo passes as a graph input) is not:
+    its values are not known at compile time, nor are those of anything written in place."""
+    if not isinstance(node, Node) or depth == 0 or tensor_meta(node) is None:
+        return False
+    if _dtype(node) == torch.bool:
+        return True
+    name = op_name(node)
+    if not in_place_writers(node):
+        if name in _ZERO_ONE_FACTORIES:
+            return True
+        if name == "mul" and _plain_binary(node):
+            return all(_zero_one(a, depth - 1) for a in _operands(node))
+        source = node.args[0] if node.args else None
+        if (name in _VALUE_SUBSETS + _CASTS and isinstance(source, Node) and tensor_meta(source) is not None
+                # a view to another dtype reinterprets the bits: not the values of its argument
+                and (name != "view" or _dtype(source) == _dtype(node))
+                and _zero_one(source, depth - 1)):
+            return True
+    try:
+        value = _const_eval(node)
+    except Exception:  # noqa: BLE001 - a runtime tensor: its values are not known
+        return False
+    return isinstance(value, torch.Tensor) and bool(((value == 0) | (value == 1)).all())
+
+
+def _multiplicative_mask(node: Node) -> tuple[Node, Node, Node, Node, float] | None:
+    """(scores, b, b again, product, fill) when node is ``scores * b - c * (1 - b)`` or ``scores * b + k *
+    (1 - b)`` (old GPT-2 and OpenAI GPT: ``w = w * b - 1e4 * (1 - b)``, early Megatron: ``torch.mul(s,
+    ltor_mask) - 10000.0 * (1.0 - ltor_mask)``), operands in either order, with c (k) a number; fill the
+    value it leaves where b is 0 (-c, k); b again the tensor in ``1 - b``, product the scores * b node.
+    Else None: the form only, _scores_side proves the rest (b the same tensor in both places, b 0 / 1)."""
+    name = op_name(node)
+    if name not in ("sub", "add") or not _plain_binary(node):
+        return None
+    a, b = _operands(node)
+    for product, penalty in [(a, b)] if name == "sub" else [(a, b), (b, a)]:
+        factors = _operands(product) if op_name(product) == "mul" and _plain_binary(product) else None
+        terms = _operands(penalty) if op_name(penalty) == "mul" and _plain_binary(penalty) else None
+        if factors is None or terms is None:
+            continue
+        for scores, mask in (factors, factors[::-1]):
+            if not (isinstance(mask, Node) and tensor_meta(mask) is not None and _reaches_matmul(scores)
+                    and not _reaches_matmul(mask)):
+                continue
+            for c, one_minus in (terms, terms[::-1]):
+                pair = _operands(one_minus) if op_name(one_minus) == "sub" and _plain_binary(one_minus) \
+                    else None
+                if isinstance(c, (int, float)) and not isinstance(c, bool) and pair is not None \
+                        and is_number(pair[0]) and pair[0] == 1:
+                    return scores, mask, pair[1], product, -float(c) if name == "sub" else float(c)
+    return None
 
 
 def _softcapped(node, depth: int = 16, seen: set | None = None) -> bool:
@@ -1374,15 +1451,56 @@ def _exp_limits(dtype) -> str:
             f"below {math.log(finfo.smallest_normal * finfo.eps):.4g}")
 
 
-def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
-    """(x, nodes) when div is softmax(x) over the last dim written out,
+def _reciprocal_of(node) -> object | None:
+    """d when node is 1 / d by any spelling: ``1 / d`` (``torch.div(1, d)``), ``d.reciprocal()``
+    (``torch.reciprocal(d)``), ``d ** -1``; else None. Whether d is a softmax's denominator is the caller's
+    to check."""
+    if not isinstance(node, Node):
+        return None
+    name = op_name(node)
+    if name == "reciprocal" and len(node.args) == 1 and not node.kwargs:  # (out= writes elsewhere)
+        return node.args[0]
+    pair = _operands(node) if name in ("div", "pow") and _plain_binary(node) else None
+    if pair is None:
+        return None
+    if name == "div" and _const_scalar(pair[0]) == 1:
+        return pair[1]
+    if name == "pow" and is_number(pair[1]) and pair[1] == -1:
+        return pair[0]
+    return None
+
+
+def _written_out_parts(node) -> tuple[Node, object, Node | None] | None:
+    """(numerator, denominator, reciprocal) when node divides an exp by something, ``exp(..) / d``, or
+    multiplies it by something's reciprocal (_reciprocal_of), ``exp(..) * (1 / d)`` in either order
+    (reciprocal: that 1 / d node, None for the division); else None. The shape of a written-out softmax
+    only: _written_out_softmax proves the rest."""
+    name = op_name(node)
+    pair = _operands(node) if name in ("div", "mul") else None
+    if pair is None:
+        return None
+    if name == "div":
+        return (pair[0], pair[1], None) if op_name(pair[0]) == "exp" else None
+    for num, recip in (pair, pair[::-1]):
+        den = _reciprocal_of(recip)
+        if op_name(num) == "exp" and den is not None:
+            return num, den, recip
+    return None
+
+
+def _written_out_softmax(node: Node) -> tuple[Node, list[Node]]:
+    """(x, nodes) when node is softmax(x) over the last dim written out,
     ``e = torch.exp(x - x.amax(-1, keepdim=True)); e / e.sum(-1, keepdim=True)`` (the row max by any
-    spelling _row_max_nodes takes, each expression written once or repeated): nodes are the ones it is
-    made of, div aside. Else raise with the reason.
+    spelling _row_max_nodes takes, each expression written once or repeated), or the same with the division
+    written as a multiplication by the sum's reciprocal, ``e * (1 / e.sum(-1, keepdim=True))``,
+    ``e * e.sum(-1, keepdim=True).reciprocal()`` (_reciprocal_of): nodes are the ones it is made of, node
+    aside. Else raise with the reason.
 
     This is what F.softmax computes, step for step: exp of the scores shifted by their row max (each at
     most 1, the largest exactly 1), over its sum along the same dim (between 1 and Sk). Exactly that
-    is taken. Without the shift it is softmax only in exact arithmetic: eager's exp overflows once a
+    is taken. The reciprocal form rounds once more (1 / sum, then the product): the same function, rounded
+    differently, as the op's own arithmetic is; 1 / sum is in [1 / Sk, 1], never past the dtype's range.
+    Without the shift it is softmax only in exact arithmetic: eager's exp overflows once a
     score passes log(finfo.max) (88.7 in float32 and bfloat16, 11.1 in float16: reachable logits) and
     its row sum underflows to 0 when every score of a row is very negative, NaN either way, where the op
     is finite. The op's -inf-row convention concerns rows with no visible key, a degenerate input; these
@@ -1390,20 +1508,27 @@ def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
     statistics that overflow where the fused op does not). A shift by anything else (another tensor's
     max, a max over another dim or without keepdim) or a denominator that is not that sum (``+ eps``,
     another dim, another tensor) is another function: reported."""
-    if not _plain_binary(div):
-        raise _Skip(f"'{div.name}' divides with {dict(div.kwargs)}")
-    num, den = _operands(div)
+    parts = _written_out_parts(node)
+    if parts is None or not _plain_binary(node):
+        verb = "divides" if op_name(node) == "div" else "multiplies"
+        raise _Skip(f"'{node.name}' {verb} with {dict(node.kwargs)}")
+    num, den, recip = parts
     shape = _shape(num)
-    if op_name(num) != "exp" or not isinstance(arg(num, 0, "input"), Node) or shape is None:
-        raise _Skip(f"'{div.name}' does not divide exp of a tensor")
+    what = "multiplies exp(..) by the reciprocal of" if recip is not None else "divides exp(..) by"
+    if not isinstance(arg(num, 0, "input"), Node) or shape is None:
+        raise _Skip(f"'{node.name}' does not divide exp of a tensor")
+    if not _same_dims(_shape(node) or (), shape) or _dtype(node) != _dtype(num):
+        # a numerator 1 of more dims or a wider dtype (torch.ones(1, 1, 1, 1, 1, dtype=torch.float64) / ..)
+        raise _Skip(f"'{node.name}' brings exp(..) {list(shape)} ({_dtype(num)}) to "
+                    f"{list(_shape(node) or [])} ({_dtype(node)})")
     if not isinstance(den, Node) or op_name(den) != "sum" or not isinstance(den.args[0], Node):
-        raise _Skip(f"'{div.name}' divides exp(..) by '{getattr(den, 'name', den)}', not by its sum over the "
+        raise _Skip(f"'{node.name}' {what} '{getattr(den, 'name', den)}', not by its sum over the "
                     "key dim")
     if not _over_last_dim_keepdim(den, len(shape)):
         raise _Skip(f"the denominator '{den.name}' is not a sum over the last (key) dim with keepdim=True")
     if arg(den, 3, "dtype") not in (None, _dtype(num)):
         raise _Skip(f"the denominator '{den.name}' is summed in {arg(den, 3, 'dtype')}")
-    nodes = [num, den]
+    nodes = [num, den] + ([recip] if recip is not None else [])
     if not _same_value(num, den.args[0], nodes):
         raise _Skip(f"the denominator '{den.name}' sums '{den.args[0].name}', not the numerator "
                     f"'{num.name}' (nor the same expression)")
@@ -1419,15 +1544,67 @@ def _written_out_softmax(div: Node) -> tuple[Node, list[Node]]:
     else:
         raise _Skip(f"the written-out softmax takes exp of '{shifted.name}' without subtracting its row max: "
                     f"eager's exp overflows {_exp_limits(_dtype(num))}: NaN where the op is finite")
-    pattern = {div, *nodes}
-    for n in nodes:
-        others = [u.name for u in n.users if u not in pattern]
-        if others:
-            raise _Skip(f"intermediate '{n.name}' of the written-out softmax has other users "
-                        f"({', '.join(others)})")
+    _only_read_inside(node, nodes, "written-out softmax")
     if _dtype(den) == torch.float16 and not _holds(shape[-1] <= torch.finfo(torch.float16).max):
         # the sum of Sk terms of at most 1 stays finite in float16 only up to 65504 keys
         raise _Skip(f"the float16 denominator sums {shape[-1]} keys: it may overflow past 65504")
+    return x, nodes
+
+
+def _only_read_inside(root: Node, nodes: list[Node], what: str):
+    """Raise unless every node of a softmax written out (root and nodes) is read by the others only."""
+    pattern = {root, *nodes}
+    for n in nodes:
+        others = [u.name for u in n.users if u not in pattern]
+        if others:
+            raise _Skip(f"intermediate '{n.name}' of the {what} has other users ({', '.join(others)})")
+
+
+def _logsumexp_of(exp: Node) -> Node | None:
+    """The logsumexp node when exp is ``exp(s - logsumexp(s, dim, keepdim))`` (torch.exp or .exp() of a
+    subtraction of torch.logsumexp, .logsumexp or torch.special.logsumexp), else None: the shape of it only,
+    _logsumexp_softmax proves the rest."""
+    if op_name(exp) != "exp" or set(exp.kwargs) - {"input"}:  # torch.exp(.., out=buf) writes elsewhere
+        return None
+    shifted = arg(exp, 0, "input")
+    pair = _operands(shifted) if op_name(shifted) == "sub" else None
+    lse = pair[1] if pair is not None else None
+    if isinstance(lse, Node) and (op_name(lse) == "logsumexp" or lse.op == "call_function"
+                                  and lse.target is torch.special.logsumexp):
+        return lse
+    return None
+
+
+def _logsumexp_softmax(exp: Node) -> tuple[Node, list[Node]]:
+    """(x, nodes) when exp is softmax(x) over the last dim written as ``torch.exp(x - torch.logsumexp(x,
+    dim=-1, keepdim=True))`` (the logsumexp by any spelling, of x or of the same expression written again):
+    nodes are the ones it is made of, exp aside. Else raise with the reason.
+
+    That is exp(log_softmax(x)) with log_softmax's own steps: logsumexp shifts by the row max before its
+    exp (it never overflows: an all -inf row gives -inf, a row with +inf gives +inf), and x - logsumexp(x)
+    is at most ~0, so exp never overflows either. The same values as softmax up to rounding, NaN on the
+    same rows (every score -inf, or NaN), as _log_softmax_of's form. A logsumexp over another dim, without
+    keepdim (the (.., Sq) result broadcast against the key dim), of another tensor, or a subtraction with
+    alpha is another function: reported."""
+    shifted = arg(exp, 0, "input")
+    lse = _logsumexp_of(exp)
+    extra = {key: value for key, value in _extra_kwargs(shifted).items()
+             if value is not None and not (key == "alpha" and value == 1)}
+    if extra:
+        raise _Skip(f"'{shifted.name}' subtracts the logsumexp with {extra}: the logsumexp would be scaled")
+    x = _operands(shifted)[0]
+    shape = _shape(x) if isinstance(x, Node) else None
+    if shape is None:
+        raise _Skip(f"'{shifted.name}' subtracts the logsumexp from something that is not a tensor")
+    if set(lse.kwargs) - {"input", "dim", "keepdim"} or not _over_last_dim_keepdim(lse, len(shape)):
+        raise _Skip(f"the logsumexp '{lse.name}' is not over the last (key) dim with keepdim=True "
+                    f"(dim={arg(lse, 1, 'dim')}, keepdim={arg(lse, 2, 'keepdim', False)})")
+    nodes = [shifted, lse]
+    source = arg(lse, 0, "input")
+    if not _same_value(x, source, nodes):
+        raise _Skip(f"the logsumexp '{lse.name}' is of '{getattr(source, 'name', source)}', not of the "
+                    f"scores '{x.name}' it is subtracted from (nor the same expression)")
+    _only_read_inside(exp, nodes, "softmax written as exp(s - logsumexp(s))")
     return x, nodes
 
 
@@ -1483,12 +1660,62 @@ def _promoted_mask(cand: _Candidate, step: Node, scores: Node, mask: Node):
     cand.masks.casts[mask] = result
 
 
+def _multiplicative_keep(cand: _Candidate, node: Node, form) -> tuple[Node, Node, float]:
+    """Take ``scores * b - c * (1 - b)`` (node; form: _multiplicative_mask's) as a keep mask b with fill -c,
+    as ``torch.where(b == 1, scores, -c)`` / ``masked_fill(b == 0, -c)`` are taken; return (scores, b, the
+    fill as written). Else raise with the reason.
+
+    Where b is 1 it is scores * 1 - c * 0 = scores, where b is 0 it is scores * 0 - c = -c (c rounded to
+    the dtype, as eager's c * (1 - b) is), exactly, for finite scores. So it is a mask only when b holds 0 and
+    1 alone: proven (_zero_one) for a bool converted to float or a tril of ones built in the graph, never for
+    a runtime float tensor. Old GPT-2's registered float buffer is one (dynamo passes buffers as graph inputs,
+    whose values may be anything at run time): left to eager, reported. A score that is inf or NaN where b
+    is 0 gives NaN (inf * 0) in eager and is masked out by the op, as by masked_fill: the scores of q·kᵀ
+    are finite in these models, the same assumption as the finite fills'."""
+    scores, mask, again, product, fill = form
+    if not _same_value(mask, again, []):
+        raise _Skip(f"'{node.name}' multiplies the scores by '{mask.name}' but subtracts a multiple of 1 - "
+                    f"'{again.name}': not the same mask")
+    # c is multiplied in float32 at least (half-precision tensors compute in float32): past its range it is
+    # inf there, and inf * (1 - 1) NaN where b is 1
+    if not abs(fill) <= torch.finfo(torch.float32).max or fill > _MASKED_VALUE:
+        raise _Skip(f"'{node.name}' (scores * b - c * (1 - b)) fills {fill:.3g} where b is 0: not a finite "
+                    "large negative constant")
+    others = [u.name for u in product.users if u is not node]
+    if others:
+        raise _Skip(f"intermediate '{product.name}' has other users ({', '.join(others)})")
+    if not _same_dims(_shape(node) or (), _shape(scores) or ()):
+        raise _Skip(f"'{node.name}' broadcasts the scores {list(_shape(scores) or [])} to "
+                    f"{list(_shape(node) or [])}")
+    dtypes = {_dtype(n) for n in (node, product, scores, mask)}
+    if len(dtypes) != 1:
+        raise _Skip(f"'{node.name}' (scores * b - c * (1 - b)) mixes dtypes {sorted(map(str, dtypes))}: "
+                    "the mask would change the scores' dtype")
+    if not _zero_one(mask):
+        raise _Skip(f"the scores are scaled by '{mask.name}' in '{node.name}' (scores * b - c * (1 - b)): a "
+                    f"mask only where b holds 0 and 1 alone, not proven of '{mask.name}' (a runtime float "
+                    "tensor, a registered buffer, may hold anything; a bool converted to float, or a tril of "
+                    "ones built in the graph, is proven)")
+    cand.chain.append(product)
+    # the value eager leaves where b is 0: c * (1 - 0) in the dtype, subtracted from scores * 0
+    value = float(torch.tensor(fill, dtype=torch.float64).to(_dtype(node)))
+    if math.isfinite(value):
+        cand.finite_fills.append(value)
+    else:
+        cand.inf_fill = True  # c past the dtype's range (1e10 in float16): -inf
+    cand.masks.keeps.append((mask, False))
+    cand.masks.zero_one.add(mask)
+    cand.masks.stages[mask] = _shape(scores)
+    return scores, mask, fill
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts. softmax_nodes: the
     nodes of a written-out softmax, which read its input (the row max and the shift)."""
     consumer = softmax
     steps: list[tuple[str, object]] = []
     fills: dict[int, float] = {}  # a keep step's fill value, by step index
+    multiplied: list[int] = []  # the steps that are multiplicative masks (scores * b - c * (1 - b))
     # the row max of a `scores - scores.amax(-1, keepdim=True)` step, and a written-out softmax's own reads
     side_reads: set[Node] = set(softmax_nodes)
     while True:
@@ -1541,6 +1768,14 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 steps.append(("scale", scaled[1]))
             cand.fold(scaled[1])
             consumer, x = x, scaled[0]
+            continue
+        multiplicative = _multiplicative_mask(x)
+        if multiplicative is not None:
+            scores, mask, value = _multiplicative_keep(cand, x, multiplicative)
+            fills[len(steps)] = value
+            multiplied.append(len(steps))
+            steps.append(("keep", mask))
+            consumer, x = multiplicative[3], scores
             continue
         if name == "add" and _operands(x) is not None:
             a, b = _operands(x)
@@ -1651,6 +1886,16 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
         bias = arg(x, 0, "input")
         if x.kwargs.get("beta", 1) != 0 and not _is_zero_constant(bias):
             steps.append(("add", bias))
+    # A multiplicative mask keeps the scores where b is 1 only as long as they are finite where b is 0 (-inf
+    # * 0 is NaN: eager's row is NaN). A mask applied inside it that may leave -inf (a -inf fill, an additive
+    # mask: -inf, or finfo.min plus a negative score) is left alone; a finite fill inside it is fine.
+    for i in multiplied:
+        for j in range(i + 1, len(steps)):
+            kind = steps[j][0]
+            if kind in ("add", "sub") or kind == "keep" and not math.isfinite(fills[j]):
+                raise _Skip("a mask applied to the scores before the multiplicative mask (scores * b - c "
+                            "* (1 - b)) may leave -inf scores where b is 0, which eager turns into NaN "
+                            "(-inf * 0)")
     # A symbolic or tensor factor after any mask is left alone (sign unknown).
     seen_mask = False
     for kind, _ in reversed(steps):  # innermost first
@@ -1912,11 +2157,31 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
 # --------------------------------------------------------------------------------------------------------
 
 
+def _unrepeated(node: Node, end: Node, head_dim: int = 1) -> tuple[Node, int]:
+    """_unrepeat's answer, or (node, 1) when k's memory (k before the repeat, or the repeated copy) is
+    written in place between the repeat and end, the attention's last node: the repeat copies k where it
+    runs, and the op, reading k un-repeated at end, would see the write that the copy does not (or miss one
+    into the copy). Then k is passed repeated, which is what eager reads."""
+    base, n = _unrepeat(node, head_dim)
+    if n > 1:
+        order = {x: i for i, x in enumerate(node.graph.nodes)}
+        if any(order[node] < order[w] < order[end] for w in in_place_writers(base)):
+            return node, 1
+    return base, n
+
+
 def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
     """(k before its heads were repeated, the repeat count) for a 4-d k whose heads are dim head_dim
     (1 in (B, H, S, D); 2 in transformers' (B, S, H, D), permuted for the op): ``repeat_interleave`` over
-    the heads, or Llama's ``repeat_kv`` (unsqueeze + expand + reshape or flatten(1, 2), (B, H, S, D) only);
-    else (node, 1)."""
+    the heads, Llama's ``repeat_kv`` and litgpt's GQA (a size-1 dim inserted after the heads by unsqueeze(2)
+    or ``k[:, :, None]``, expanded, and merged into the heads by reshape, view or flatten(1, 2); (B, H, S, D)
+    only), or one head expanded to all (multi-query); else (node, 1).
+
+    The op pairs q head h with k head h // n (n = the repeat count). (B, G, 1, S, D) expanded to
+    (B, G, n, S, D) holds k[:, g] at [:, g, r], and the row-major merge of (G, n) puts it at head g·n + r: k
+    head h // n, what repeat_interleave(n, dim=1) gives. Only an expand of a size-1 dim is a pure repeat;
+    the size-1 dim inserted before the heads instead (``k[:, None].expand(B, n, G, ..)``) tiles them, head
+    r·G + g: k head h % G, another pairing, passed repeated."""
     name = op_name(node)
     if name == "repeat_interleave":
         repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
@@ -1927,10 +2192,18 @@ def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
         return node, 1
     if head_dim != 1:
         return node, 1
-    # (flatten(1, 2) merges the same dims row-major as the reshape: the shapes below prove which)
+    if name in ("expand", "expand_as") and isinstance(node.args[0], Node):
+        # one k / v head expanded to q's (multi-query): (B, 1, S, D) -> (B, H, S, D), each head that one
+        bs, es = _shape(node.args[0]), _shape(node)
+        if bs is not None and es is not None and len(bs) == len(es) == 4 and bs[1] == 1 \
+                and _same_dims((bs[0], *bs[2:]), (es[0], *es[2:])) and isinstance(es[1], int) and es[1] > 1:
+            return node.args[0], es[1]
+        return node, 1
+    # (flatten(1, 2) merges the same dims row-major as the reshape: the shapes below prove which; a row-major
+    # reshape's result is fixed by its target shape alone)
     if name in ("reshape", "view", "flatten") and isinstance(node.args[0], Node):
         expanded = node.args[0]
-        if op_name(expanded) != "expand" or not isinstance(expanded.args[0], Node):
+        if op_name(expanded) not in ("expand", "expand_as") or not isinstance(expanded.args[0], Node):
             return node, 1
         unsq = expanded.args[0]
         un = op_name(unsq)
@@ -1942,17 +2215,18 @@ def _unrepeat(node: Node, head_dim: int = 1) -> tuple[Node, int]:
             and len(unsq.args[1]) >= 3
             and unsq.args[1][2] is None
             and all(s == slice(None) for s in unsq.args[1][:2])
-            and all(s == slice(None) for s in unsq.args[1][3:])
+            # k[:, :, None, :, :], k[:, :, None], k[:, :, None, ...]
+            and all(s == slice(None) or s is Ellipsis for s in unsq.args[1][3:])
         ):
             base = unsq.args[0]
         else:
             return node, 1
-        bs, es, rs = _shape(base), _shape(expanded), _shape(node)
-        if bs is None or es is None or rs is None or len(bs) != 4 or len(es) != 5:
+        bs, us, es, rs = _shape(base), _shape(unsq), _shape(expanded), _shape(node)
+        if bs is None or us is None or es is None or rs is None or len(bs) != 4 or len(es) != 5:
             return node, 1
         b, h, s, d = bs
         n = es[2]
-        if es == (b, h, n, s, d) and rs == (b, h * n, s, d):
+        if us == (b, h, 1, s, d) and es == (b, h, n, s, d) and rs == (b, h * n, s, d):
             return base, n
     return node, 1
 
@@ -2130,15 +2404,21 @@ def _log_softmax_of(exp: Node) -> Node | None:
 
 
 def _rewrite_softmax(graph: Graph, softmax: Node):
-    """softmax: an F.softmax / torch.softmax / .softmax call, the division ending a softmax written out
-    (``exp(..) / ..``, see _written_out_softmax), or exp of a log_softmax (_log_softmax_of), which then
-    stands for the softmax node throughout."""
-    written_out = op_name(softmax) == "div"
+    """softmax: an F.softmax / torch.softmax / .softmax call, the division (or multiplication by the
+    reciprocal) ending a softmax written out (``exp(..) / ..``, ``exp(..) * (1 / ..)``, see
+    _written_out_softmax), exp of a log_softmax (_log_softmax_of) or ``exp(s - logsumexp(s))``
+    (_logsumexp_softmax), which then stands for the softmax node throughout."""
+    parts = _written_out_parts(softmax) if op_name(softmax) in ("div", "mul") else None
+    written_out = parts is not None
     log_softmax = None if written_out else _log_softmax_of(softmax)
+    lse = None if written_out or log_softmax is not None else _logsumexp_of(softmax)
     reduction = softmax if log_softmax is None else log_softmax  # the node that names dim and dtype
-    # the scores exp or softmax takes; F.softmax(input=s, dim=-1) names them (an IndexError before; review
-    # s27, forms)
-    x = arg(_operands(softmax)[0], 0, "input") if written_out else arg(reduction, 0, "input")
+    # the scores exp or softmax takes (for exp(s - logsumexp(s)) that subtraction, which reaches them);
+    # F.softmax(input=s, dim=-1) names them (an IndexError before; review s27, forms)
+    if written_out:
+        x = arg(parts[0], 0, "input")
+    else:
+        x = arg(softmax if lse is not None else reduction, 0, "input")
     if not isinstance(x, Node) or tensor_meta(x) is None:
         return
     cand = _Candidate()
@@ -2152,8 +2432,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         return
     softmax_nodes: list[Node] = []
     sm_dtype = None
-    if written_out:
-        x, softmax_nodes = _written_out_softmax(softmax)
+    if written_out or lse is not None:
+        x, softmax_nodes = (_written_out_softmax if written_out else _logsumexp_softmax)(softmax)
         cand.chain.extend(softmax_nodes)
     else:
         ndim = len(_shape(x))
@@ -2265,8 +2545,8 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
         and not cand.v_unsqueeze
     ):
         # the heads are dim perm[1] of k / v as given (the op's (B, H, S, D) is k.permute(perm))
-        k_base, nk = _unrepeat(cand.k, (cand.k_perm or [0, 1, 2, 3])[1])
-        v_base, nv = _unrepeat(cand.v, (cand.v_perm or [0, 1, 2, 3])[1])
+        k_base, nk = _unrepeated(cand.k, pv, (cand.k_perm or [0, 1, 2, 3])[1])
+        v_base, nv = _unrepeated(cand.v, pv, (cand.v_perm or [0, 1, 2, 3])[1])
         if nk == nv and nk > 1:
             k_node, v_node, enable_gqa = k_base, v_base, True
             k_shape, v_shape = (tuple(_shape(base)[p] for p in perm) if perm else _shape(base)
@@ -2348,7 +2628,11 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
                        "gives 0, where eager gives an average of v")
     if cand.inf_fill and mask is not None:
         details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
-    kind = "exp/sum softmax" if written_out else "log_softmax.exp" if log_softmax is not None else "softmax"
+    if written_out:
+        kind = "exp/sum softmax" if parts[2] is None else "exp·(1/sum) softmax"
+    else:
+        kind = ("log_softmax.exp" if log_softmax is not None else "exp(s - logsumexp) softmax"
+                if lse is not None else "softmax")
     pattern = f"{kind}({cand.variant})"
     record_rewrite(FAMILY, pattern, f"flash_attention({', '.join(details)})", softmax)
 
@@ -2375,17 +2659,23 @@ def _roll_back(graph: Graph, before: set):
             graph.erase_node(n)
 
 
+# Results that alias their argument only sometimes, and copy it otherwise: ``k[:, :, None].expand(..)
+# .reshape(..)`` (repeat_kv, litgpt's GQA) is a copy made where the reshape runs.
+_MAY_COPY = ("reshape", "reshape_as", "flatten", "ravel", "contiguous", "cpu", "cuda")
+
+
 def _first_read(node: Node, relevant: set, order: dict, depth: int = 16) -> float:
     """The position of the first node in relevant that reads node's values: a view reads them where its
-    own readers do (a cast to another dtype copies: it reads them where it runs), a write into node is no
-    read of it."""
+    own readers do (a cast to another dtype copies, and so may a reshape: it reads them where it runs), a
+    write into node is no read of it."""
     first = math.inf
     for user in node.users:
         if user not in relevant:
             continue
         if (is_in_place(user) and user.args and user.args[0] is node) or user.kwargs.get("out") is node:
             continue
-        if depth and _is_alias_of_arg0(user) and user.args[0] is node and _dtype(user) == _dtype(node):
+        if depth and _is_alias_of_arg0(user) and user.args[0] is node and _dtype(user) == _dtype(node) \
+                and op_name(user) not in _MAY_COPY:
             first = min(first, _first_read(user, relevant, order, depth - 1))
         else:
             first = min(first, order[user])
@@ -2608,6 +2898,15 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         # where eager returns bfloat16).
         variant += f" (autocast to {str(compute).removeprefix('torch.')})"
         dtype = compute
+    unrepeated = False
+    if ndim == 4 and _holds(k_shape[1] == q_shape[1]):
+        # k / v repeated to q's heads before the call (litgpt's expand + reshape, repeat_kv,
+        # repeat_interleave over the heads): the op takes them un-repeated, as GQA (_unrepeat proves the
+        # pairing), and reads G heads instead of H
+        (k_base, nk), (v_base, nv) = _unrepeated(k, node), _unrepeated(v, node)
+        if nk == nv and nk > 1:
+            k, v, enable_gqa, unrepeated = k_base, v_base, True, True
+            k_shape, v_shape = _shape(k), _shape(v)
     if k_shape[1] != q_shape[1] and not enable_gqa:
         if not (_holds(k_shape[1] == 1) and _holds(v_shape[1] == 1)):
             raise _Skip("k/v heads differ from q heads without enable_gqa (SDPA raises)")
@@ -2675,8 +2974,10 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         raise
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
-    record_rewrite(FAMILY, variant, "flash_attention(causal bottom-right, from attn_mask)"
-                   if causal_from_mask == BOTTOM_RIGHT else "flash_attention", out)
+    details = (["causal bottom-right, from attn_mask"] if causal_from_mask == BOTTOM_RIGHT else []) + (
+        ["gqa: k/v un-repeated"] if unrepeated else [])
+    record_rewrite(FAMILY, variant,
+                   f"flash_attention({', '.join(details)})" if details else "flash_attention", out)
 
 
 def _rewrite_mha(graph: Graph, node: Node):
@@ -2804,18 +3105,23 @@ def rewrite(graph: torch.fx.Graph) -> None:
         name = op_name(node)
         if node.op == "call_function" and node.target is torch.special.softmax:  # (input, dim, *, dtype)
             name = "softmax"
-        # a division of exp(..): maybe softmax written out by hand (exp / its sum), the same candidate
-        written_out = name == "div" and _operands(node) is not None and op_name(_operands(node)[0]) == "exp"
+        # a division of exp(..), or a product of exp(..) and a reciprocal: maybe softmax written out by hand
+        # (exp / its sum, exp * (1 / its sum)), the same candidate
+        written_out = name in ("div", "mul") and _written_out_parts(node) is not None
         if name == "exp" and _log_softmax_of(node) is not None:
             name = "log_softmax.exp"  # softmax spelled exp(log_softmax(..)), the same candidate
+        elif name == "exp" and _logsumexp_of(node) is not None:
+            name = "logsumexp.exp"  # softmax spelled exp(s - logsumexp(s)), the same candidate
         if not written_out and name not in ("softmax", "sdpa", "multi_head_attention_forward",
-                                            "log_softmax.exp"):
+                                            "log_softmax.exp", "logsumexp.exp"):
             continue
         variant = {"sdpa": "scaled_dot_product_attention", "softmax": "softmax attention",
                    "multi_head_attention_forward": "nn.MultiheadAttention",
                    "div": "softmax attention (softmax written out, exp / sum)",
-                   "log_softmax.exp": "softmax attention (softmax as log_softmax(..).exp())"}[name]
-        name = "softmax" if written_out or name == "log_softmax.exp" else name
+                   "mul": "softmax attention (softmax written out, exp * (1 / sum))",
+                   "log_softmax.exp": "softmax attention (softmax as log_softmax(..).exp())",
+                   "logsumexp.exp": "softmax attention (softmax as exp(s - logsumexp(s)))"}[name]
+        name = "softmax" if written_out or name in ("log_softmax.exp", "logsumexp.exp") else name
         try:
             if name == "sdpa":
                 _rewrite_sdpa(graph, node)

@@ -23,8 +23,10 @@ sample, masked_fill with True = masked or True = keep and -inf / -1e9 / -10000 f
 where(bias, w, mask_value) with 0-d tensor scale and fill, scales on kᵀ and split over q and k in an
 einsum. Styles that compute another function and are left alone (reported where the pass saw a
 candidate): BERT's head_mask on the probabilities, an extra op on the probabilities, the probabilities
-or the scores returned too, a division after the softmax, GPT-2's original `w * b - 1e4 * (1 - b)`
-masking, talking-heads mixing of the scores or the probabilities.
+or the scores returned too, a division after the softmax, talking-heads mixing of the scores or the
+probabilities. GPT-2's original `w * b - 1e4 * (1 - b)` masking, left alone here until session 31, is
+rewritten where b is provably 0 / 1 (test_gpt2_original_multiplicative_mask_is_rewritten below;
+tests/test_attention_pass_forms_s31.py).
 """
 
 from __future__ import annotations
@@ -462,7 +464,6 @@ LEFT_ALONE = {
     "div_after_softmax": (_div_after_softmax, tuple, "not to a matmul with v"),
     "output_attentions": (_output_attentions, tuple, "also returned or reused"),
     "scores_returned": (_scores_returned, tuple, "has other users"),
-    "gpt2_original_multiplicative_mask": (_gpt2_original, tuple, "scores are scaled by"),
     "talking_heads_scores": (_talking_heads_scores, lambda: (torch.randn(H, H),), "is not q·kᵀ"),
     "talking_heads_probs": (_talking_heads_probs, lambda: (torch.randn(H, H),), "is not probabilities·v"),
 }
@@ -471,8 +472,15 @@ LEFT_ALONE = {
 @pytest.mark.parametrize("case", LEFT_ALONE)
 def test_other_functions_are_left_alone_and_reported(case):
     fn, extra, reason = LEFT_ALONE[case]
-    q, k, v = _qkv(sq=SK) if fn is _gpt2_original else _qkv()
-    _assert_left_alone(fn, (q, k, v, *extra()), reason)
+    _assert_left_alone(fn, (*_qkv(), *extra()), reason)
+
+
+def test_gpt2_original_multiplicative_mask_is_rewritten():
+    """b = tril(ones) built in the function is provably 0 / 1 and causal: the multiply-and-subtract masking is
+    eager's masked_fill with -1e4, and the band folds into is_causal (tests/test_attention_pass_forms_s31.py
+    has the other spellings and the look-alikes left alone)."""
+    (node,) = _check_same(_gpt2_original, *_qkv(sq=SK))
+    assert node.kwargs["is_causal"] and node.kwargs.get("attn_mask") is None, node.kwargs
 
 
 @pytest.mark.parametrize("op", [lambda p: p.clamp(min=1e-4), torch.relu, torch.nan_to_num,
