@@ -133,11 +133,11 @@ def _flex_fn(q, k, v, causal):
     def call():
         return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
-    # Compiled here, before any implementation of the case is timed: a compile in the middle of the case
-    # (flex's forward compiles in the forward timings, its backward in the first fwd+bwd call) left host
-    # load behind it, and the next host-bound step paid for it: ours at 8,16,2048,64 causal fwd+bwd took
-    # 1.05-1.24 ms in bench_attention against 0.74 ms alone (bench/logs/attention_causal64_fwd_bwd_s31_h200
-    # .log)
+    # Compiled here, before any implementation of the case is timed, so that no compile (flex's forward
+    # in the forward timings, its backward in the first fwd+bwd call) runs between two timings. Suspected of
+    # slowing the host-bound step timed next (ours at 8,16,2048,64 causal fwd+bwd: 1.05 ms in the bench,
+    # 0.74 ms alone, bench/logs/attention_causal64_fwd_bwd_s31_h200.log), it was not the cause: the step
+    # still took 1.06 ms with this (bench/logs/bench_attention_6f5a1a5_s31_h200.log).
     out = call()
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     torch.cuda.synchronize()
