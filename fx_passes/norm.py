@@ -44,7 +44,10 @@ widened to include
   is no row and stays after the op,
 - the tensor it normalises when that is ``dropout(x) + residual`` (either order), ``x + residual``
   or ``dropout(x)``; when that tensor has other users (pre-norm blocks), they read the op's
-  residual output instead (``return_residual=True``).
+  residual output instead (``return_residual=True``). Also when the norm reads such a sum through views
+  that move its rows whole, a transpose or permute of the dims before the last one, ``contiguous()``
+  (OpenFold's column attention normalises ``m.transpose(-2, -3)`` of its residual sum): the op takes the
+  sum's operands in their own layout and its output is permuted as the norm's input was (_through_row_views).
 
 The trade-off is the one the pass contract asks for: only what is provably the same function is
 rewritten. Structural facts (last dim only, keepdim, biased variance, constant eps and dropout p, no
@@ -988,6 +991,9 @@ class _Inputs:
     dropout_p: float
     folded: list[torch.fx.Node]  # the add / dropout nodes replaced by the op
     h: torch.fx.Node | None  # the pre-norm sum, when folded
+    # The dims permutation of the views between the folded sum and the norm (_through_row_views), applied to
+    # the op's output; None when the norm reads the sum itself.
+    rows_perm: list[int] | None = None
 
 
 def _dropout_input(node: torch.fx.Node) -> torch.fx.Node:
@@ -1055,8 +1061,80 @@ def _memory_sharer(node: torch.fx.Node, exclude: set[torch.fx.Node]) -> torch.fx
     return None
 
 
+_TRANSPOSE_DIMS = {"transpose": ("dim0", "dim1"), "swapdims": ("dim0", "dim1"),
+                   "swapaxes": ("axis0", "axis1")}
+
+
+def _row_permutation(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int]] | None:
+    """(source, perm) when node is ``source.permute(perm)`` with the last dim kept last, spelled as a
+    transpose of two other dims, a permute, or ``contiguous()`` (the identity); otherwise None."""
+    src, t = arg(node, 0, "input"), tensor_meta(node)
+    if not isinstance(src, torch.fx.Node) or t is None or tensor_meta(src) is None:
+        return None
+    rank = t.dim()
+    if is_op(node, "contiguous") and len(node.args) == 1 and not node.kwargs:
+        return src, list(range(rank))
+    name = op_name(node)
+    if name in _TRANSPOSE_DIMS:
+        d0, d1 = (norm_dim(arg(node, i + 1, key), rank) for i, key in enumerate(_TRANSPOSE_DIMS[name]))
+        if d0 is None or d1 is None or rank - 1 in (d0, d1):
+            return None
+        perm = list(range(rank))
+        perm[d0], perm[d1] = d1, d0
+        return src, perm
+    if name == "permute":
+        dims = node.args[1:] if len(node.args) > 1 else (node.kwargs.get("dims"),)
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        perm = [norm_dim(d, rank) for d in dims]
+        if len(perm) != rank or sorted(p for p in perm if p is not None) != list(range(rank)) \
+                or perm[-1] != rank - 1:
+            return None
+        return src, perm
+    return None
+
+
+def _through_row_views(h: torch.fx.Node) -> list[_Inputs]:
+    """The ways to fold a dropout / residual add that reaches h through views that only move rows whole.
+
+    OpenFold's column attention normalises ``m.transpose(-2, -3)`` of the residual sum ``m = m + row(m)`` (its
+    triangle attention around the ending node likewise): the norm is over the last dim, which such a view
+    keeps, so ``norm(perm(a + b)) = perm(norm(a + b))`` row for row. The op then takes a and b in their own
+    layout and its output is permuted as eager's input was; the sum's other readers get the op's residual
+    output, unpermuted. Each view must be read by the next step alone (checked in _plan)."""
+    views, perm, base = [], None, h
+    while (found := _row_permutation(base)) is not None:
+        views.append(base)
+        base, p = found
+        perm = p if perm is None else [p[i] for i in perm]  # base.permute(p).permute(perm)
+    if not views:
+        return []
+    try:
+        options = _input_options(base)
+    except _Miss:
+        return []
+    return [replace(o, folded=o.folded + views, rows_perm=perm) for o in options if o.folded]
+
+
+def _layout_of_norm_output(want) -> bool:
+    """Whether eager's result (its metadata want) is contiguous where the op's, permuted back (rows_perm),
+    would not be: F.layer_norm / F.rms_norm return a contiguous tensor whatever their input's layout, a
+    norm written out keeps its input's strides (elementwise ops), so the permuted output is made contiguous
+    when eager's is (a later ``.view`` of it would fail otherwise)."""
+    return want is not None and want.is_contiguous()
+
+
+def _rows_back(out: torch.Tensor, rows_perm: list[int], want) -> torch.Tensor:
+    """The op's (fake) output permuted as the norm's input was, in eager's layout (_layout_of_norm_output)."""
+    out = out.permute(rows_perm)
+    return out.contiguous() if _layout_of_norm_output(want) else out
+
+
 def _input_options(h: torch.fx.Node) -> list[_Inputs]:
     """How the normalised tensor h can feed the op, most fused first."""
+    through = _through_row_views(h)
+    if through:
+        return through + [_Inputs(h, None, 0.0, [], None)]
     t = tensor_meta(h)
     if is_op(h, "dropout"):
         return [_Inputs(_dropout_input(h), None, _dropout_p(h), [h], h)]
@@ -1094,6 +1172,8 @@ def _describe(core: _Core, inputs: _Inputs, return_residual: bool) -> str:
         parts.append("dropout")
     if inputs.residual is not None:
         parts.append("residual add")
+    if inputs.rows_perm is not None:
+        parts[-1] += " (rows permuted)"
     parts.append(core.variant)
     affine = [k for k, _, _ in core.tail if k != "cast"]
     if affine:
@@ -1118,6 +1198,11 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
             raise _Miss(f"the {what} {operand.name} is computed from the normalised tensor or its inputs' "
                         "sum: the fused op cannot read it")
     h = inputs.h
+    if inputs.rows_perm is not None:
+        # a view of the sum read elsewhere too would keep the sum alive beside the op (computed twice)
+        shared = [v for v in inputs.folded if v is not h and any(u not in pattern for u in v.users)]
+        if shared:
+            raise _Miss(f"{shared[0].name}, a view of the sum between it and the norm, has other readers")
     return_residual = h is not None and any(u not in pattern for u in h.users)
     args = (inputs.x, inputs.residual, core.weight, core.bias)
     kwargs = {"eps": core.eps, "dropout_p": inputs.dropout_p, "is_rms_norm": core.is_rms,
@@ -1128,6 +1213,8 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
         raise _Miss(f"the fused op does not take these inputs: {str(e).splitlines()[0][:200]}") from None
     out = result[0] if return_residual else result
     want = tensor_meta(end)
+    if inputs.rows_perm is not None and isinstance(out, torch.Tensor):
+        out = _rows_back(out, inputs.rows_perm, want)
     if want is None or not isinstance(out, torch.Tensor):
         raise _Miss("no shape/dtype metadata to check the fused op's result against")
     if out.dtype != want.dtype:
@@ -1265,6 +1352,10 @@ def _apply(graph, fn, core: _Core, inputs: _Inputs, end, plan) -> tuple[set[torc
         inputs.h.replace_all_uses_with(residual, delete_user_cb=lambda u: u not in pattern)
     else:
         out = fused
+    if inputs.rows_perm is not None and inputs.rows_perm != sorted(inputs.rows_perm):
+        out = insert_call(graph, torch.permute, (out, inputs.rows_perm), like=core.anchor)
+        if _layout_of_norm_output(tensor_meta(end)):
+            out = insert_call(graph, torch.Tensor.contiguous, (out,), like=core.anchor)
     end.replace_all_uses_with(out)
     erase_unused(graph, pattern)
     return pattern, _describe(core, inputs, return_residual)
