@@ -15,7 +15,7 @@ every input and parameter, in eval the outputs. The rewrites per family are asse
 near misses with their reasons. Sizes are small and odd, weights random, dropout 0 (the blocks with p > 0
 check the statistics of the mask); two blocks also in bf16 (within twice eager's error).
 
-Findings (scratch/s31/codebase_findings.md, standalone repros in scratch/s31/cb/):
+Findings (tests/findings/codebase_review_s31.md):
 - W1, pinned by a strict xfail: flash-attn's CrossAttention (its GQA MHA path) with causal and a key padding
   mask leaves the first Sq - sk query rows of a padded sequence with no key; the rewrite takes the -10000
   fill as -inf (and says so) and gives 0 there, eager the average of v. Every other row is eager's.
@@ -1782,8 +1782,8 @@ def _ids():
     return torch.randint(0, 37, (2, 11))
 
 
-LEFT_ALONE_5D = ("attention", "operands are 5-d")  # scratch/s31/zoo_findings.md F4 (Hiera)
-SCORES_SPLIT = ("attention", "never of the last two (query, key) dims")  # codebase_findings.md M1
+LEFT_ALONE_5D = ("attention", "operands are 5-d")  # tests/findings/zoo_review_s31.md F4 (Hiera)
+SCORES_SPLIT = ("attention", "never of the last two (query, key) dims")  # findings M1
 CHANNELS_FIRST = ("norm", "reduces over dim 1 of a 4-d tensor")  # by design (session 25)
 ROWS_PERMUTED_ADD = "residual add (rows permuted) + F.layer_norm (pre-norm, returns the residual)"
 R = torch.randn
@@ -2026,9 +2026,10 @@ def test_norm_of_a_view_that_cannot_fold_the_sum_stays_plain(fn, shape):
 # ========================================================================================================
 
 
-@pytest.mark.xfail(strict=True, reason="codebase_findings.md M1: SAM / ViTDet's decomposed relative "
-                   "position bias is added to the scores viewed (B, q_h, q_w, k_h, k_w); the pass sees "
-                   "through no split of the query / key dims and leaves the attention alone")
+@pytest.mark.xfail(strict=True, reason="tests/findings/codebase_review_s31.md M1: SAM / ViTDet's "
+                   "decomposed relative position bias is added to the scores viewed (B, q_h, q_w, k_h, "
+                   "k_w); the pass sees through no split of the query / key dims and leaves the attention "
+                   "alone")
 def test_sam_decomposed_rel_pos_attention_is_rewritten():
     _check_block(SAMAttention(24, 3, (3, 5)), (R(2, 3, 5, 24),), dict(attention=1))
 
@@ -2040,10 +2041,10 @@ def _rows_with_no_key(keep, seqlen_q):
     return torch.arange(seqlen_q)[None, :] + sk - seqlen_q < 0  # (B, Sq)
 
 
-@pytest.mark.xfail(strict=True, reason="codebase_findings.md W1: flash-attn's GQA MHA (CrossAttention) "
-                   "with a key padding mask and causal: the first Sq - sk query rows of a padded sequence "
-                   "see no key; eager's -10000 fill averages v there, the rewrite (fill taken as -inf) gives "
-                   "0")
+@pytest.mark.xfail(strict=True, reason="tests/findings/codebase_review_s31.md W1: flash-attn's GQA MHA "
+                   "(CrossAttention) with a key padding mask and causal: the first Sq - sk query rows of a "
+                   "padded sequence see no key; eager's -10000 fill averages v there, the rewrite (fill "
+                   "taken as -inf) gives 0")
 def test_flash_attn_gqa_self_attention_with_key_padding_matches_eager():
     _check_block(FlashAttnMHA(32, 4, 2), (R(2, 9, 32), _keep(2, 9)), dict(attention=1))
 
