@@ -15,18 +15,24 @@ exp(s - logsumexp(s))) and every SDPA call, follows the chain down to q·kᵀ an
 when each step is proven equivalent:
 softmax over the last dim, kᵀ a transpose of k's last two dims, a constant positive scale, masks whose
 broadcast fits the scores (an integer one converted to the scores' dtype, as eager promotes it), no cast
-to a lower precision, no other user of any intermediate, constant dropout settings. Anything else is a
-near miss, reported with its reason. Old GPT-2's ``w * b - 1e4 * (1 - b)`` is a mask when b provably holds
-0 and 1 only (_multiplicative_keep). k / v repeated to q's heads (repeat_kv, litgpt's expand + reshape,
-repeat_interleave) reach the op un-repeated, also before an SDPA call (_unrepeat).
+to a lower precision, no other user of any intermediate, constant dropout settings. A clamp of the scores
+from below at the dtype's finfo.min or -inf (XGLM's and old BART / OPT's overflow guard ``torch.max(s,
+finfo.min)``) is the identity on finite scores and is seen through (_score_clamp). Anything else is a
+near miss, reported with its reason; so is a softmax over the scores concatenated with other columns along
+the key dim (GPT-OSS's attention sinks, _concatenated_scores), which is no attention the op computes.
+Old GPT-2's ``w * b - 1e4 * (1 - b)`` is a mask when b provably holds 0 and 1 only (_multiplicative_keep).
+k / v repeated to q's heads (repeat_kv, litgpt's expand + reshape, repeat_interleave) reach the op
+un-repeated, also before an SDPA call (_unrepeat).
 Masks built from constants only (tril/triu, arange comparisons) are evaluated at compile time: a causal one
 becomes ``is_causal=True`` (bottom-right aligned, FlashAttention's ``causal_alignment="bottom_right"``, for
 the band of KV-cache decoding with Sq < Sk) and an all-visible one disappears. So are masks built by
 statements (in-place writes, also through views or in-place results, when every read comes after them) and
 from a template read for its shape only (``q.new_ones(S, S).tril()``) or cast with one (``m.type_as(q)``,
-``m.to(q)``: Meta's Llama reference); a graph input (a registered buffer) never is. q and k cast up to
-fp32 for the scores of half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are
-taken before their casts (_strip_score_upcasts).
+``m.to(q)``: Meta's Llama reference); a graph input (a registered buffer) never is. A mask factor provably
+all True at any size (transformers' and_mask starts from ``q_idx.new_ones((), dtype=torch.bool)``, symbolic
+under dynamic shapes) masks nothing and is dropped (_constant_truth). q and k cast up to fp32 for the
+scores of half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are taken before
+their casts (_strip_score_upcasts).
 
 Under autocast (around the compiled call or a region inside it) q·kᵀ, ·v and SDPA compute in the autocast
 dtype from fp32 (or mixed) operands, which they cast: the op gets q, k, v (and SDPA's float attn_mask,
@@ -37,8 +43,10 @@ leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to 
 and back (BART / fairseq / CLIP before the attention interface, Bloom, GPT-NeoX's ``baddbmm(...).view``),
 4-d scores merged to (B·H, S, S) for the softmax, Swin's 5-d per-window mask view. The op then runs in
 the first 4-d layout seen, with q, k, v and masks reshaped into it. A reshape that touches the last two
-dims is a near miss. In-place updates of fresh tensors (``scores.masked_fill_``, ``scores += mask``,
-``q *= scaling``) are made functional first when that keeps their dtype.
+dims is a near miss. q·kᵀ over more than two batch dims (Hiera's (B, heads, windows, S, D) mask units)
+runs as (B, heads·windows, S, D) (_Layout._merge). In-place updates of fresh tensors
+(``scores.masked_fill_``, ``scores += mask``, ``q *= scaling``) are made functional first when that keeps
+their dtype.
 """
 
 from __future__ import annotations
@@ -647,7 +655,11 @@ class _Masks:
             try:
                 value = torch.as_tensor(_const_eval(part, hints=hints)).cpu()
             except Exception:  # noqa: BLE001 - a runtime mask or factor
-                continue
+                # or a bool one known all True / all False at any size (_runtime_row_only lets it pass)
+                truth = _constant_truth(part) if _dtype(part) == torch.bool else None
+                if truth is None:
+                    continue
+                value = torch.tensor(truth)
             if part is node and node in self.additive:
                 value = self.value(node, value)
                 value = -value if node in self.negated else value
@@ -753,10 +765,14 @@ class _Masks:
 
 def _runtime_row_only(parts) -> Node | None:
     """The first of the mask parts that broadcasts over the key dim (shape (..., 1) or 0-d) and is not a
-    compile-time constant (row_only_keep's subject), else None."""
+    compile-time constant (row_only_keep's subject), else None. A bool part provably all True or all False
+    whatever the sizes (_constant_truth) is a constant too: it masks nothing (and_mask's scalar start under
+    dynamic shapes, review s31 F1), or everything, which constant_dead_row refuses."""
     for part in parts:
         shape = _shape(part)
         if shape is None or shape and not (isinstance(shape[-1], int) and shape[-1] == 1):
+            continue
+        if _dtype(part) == torch.bool and _constant_truth(part) is not None:
             continue
         try:
             _const_eval(part)
@@ -910,6 +926,10 @@ def _split_keep(node: Node, sq: int, sk: int, masked: bool = False) -> tuple[lis
     parts = _visible_parts(node, masked)
     runtime, constant = [], None
     for part, is_keep in parts:
+        if _constant_truth(part, evaluate=False) is is_keep:
+            # masks nothing at any size (and_mask's scalar start new_ones((), bool), also under dynamic
+            # shapes, where it is no compile-time constant): dropped, as a constant that keeps everything is
+            continue
         try:
             value = _const_eval(part)
         except Exception:  # noqa: BLE001 - a runtime factor
@@ -921,7 +941,7 @@ def _split_keep(node: Node, sq: int, sk: int, masked: bool = False) -> tuple[lis
         constant = value if constant is None else constant & value
     whole = [(node, not masked)]
     if constant is None:
-        return (runtime if len(parts) > 1 else whole), False
+        return (runtime if len(parts) > 1 or not runtime else whole), False
     if not (isinstance(sq, int) and isinstance(sk, int)):
         return whole, False  # a constant against symbolic sizes: kept whole (an internal error before)
     if constant.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)) and constant.dim() >= 2:
@@ -961,6 +981,74 @@ def _narrow_additive(graph: Graph, node: Node, sq: int, sk: int, like: Node) -> 
 # --------------------------------------------------------------------------------------------------------
 
 
+# Elementwise bounds: torch.max / torch.min of two tensors, maximum / minimum, clamp and its spellings.
+_BOUNDS = ("max", "min", "maximum", "minimum", "clamp", "clip", "clamp_min", "clamp_max")
+
+
+def _bound_parts(node) -> tuple[list, object, object] | None:
+    """(tensor operands, lower bound, upper bound) of an elementwise bound: ``torch.max(a, b)`` /
+    ``maximum`` ([a, b], the other of the two, None: the caller picks), ``min`` / ``minimum`` (None as the
+    lower bound), ``clamp(x, min, max)`` / ``clip``, ``clamp_min``, ``clamp_max`` ([x], min, max). None for
+    anything else, the reductions ``torch.max(x, dim)`` / ``x.max(-1, keepdim=True)`` among them."""
+    name = op_name(node) if isinstance(node, Node) else None
+    if name not in _BOUNDS:
+        return None
+    x = arg(node, 0, "input")
+    if not isinstance(x, Node):
+        return None
+    if name in ("max", "min", "maximum", "minimum"):
+        other = arg(node, 1, "other")
+        if not (isinstance(other, Node) and tensor_meta(other) is not None) \
+                or len(node.args) + len(node.kwargs) != 2:
+            return None  # a reduction over a dim (or a malformed call)
+        return ([x, other], other, None) if name in ("max", "maximum") else ([x, other], None, other)
+    if name == "clamp_min":
+        return [x], arg(node, 1, "min"), None
+    if name == "clamp_max":
+        return [x], None, arg(node, 1, "max")
+    return [x], arg(node, 1, "min"), arg(node, 2, "max")
+
+
+def _score_clamp(x: Node) -> tuple[Node, float] | None:
+    """(scores, bound) for a clamp of the scores from below at a constant: ``torch.max(s, c)``,
+    ``torch.maximum(c, s)``, ``s.clamp(min=c)``, ``s.clamp_min(c)`` (the old BART / OPT / XGLM overflow
+    guard ``torch.max(s, torch.full((), finfo(s.dtype).min))``); the bound is as the op compares it, in
+    the result's dtype. Raise for any other bound of the scores, which the op cannot take; None when x is
+    no bound at all."""
+    parts = _bound_parts(x)
+    if parts is None:
+        return None
+    operands, low, high = parts
+    scores = next((a for a in operands if _reaches_matmul(a)), None)
+    if len(operands) == 2:
+        if scores is operands[1]:  # torch.max(c, s): the bound is the other operand
+            low = None if low is None else operands[0]
+            high = None if high is None else operands[0]
+        if all(_reaches_matmul(a) for a in operands):
+            raise _Skip(f"'{x.name}' takes the elementwise max / min of two tensors that both reach q·kᵀ")
+    if scores is None:
+        return None
+    if high is not None or low is None:
+        raise _Skip(f"'{x.name}' clamps the scores from above: another function than softmax of the scores")
+    bound = _const_scalar(low)
+    dtype = _dtype(x)
+    if (bound is None or dtype is None or not dtype.is_floating_point or _dtype(scores) != dtype
+            or isinstance(low, Node) and tensor_meta(low) is not None and tensor_meta(low).dim() > 0):
+        raise _Skip(f"'{x.name}' clamps the scores from below at {getattr(low, 'name', low)}: only a 0-d "
+                    "constant or a number is taken, in the scores' dtype")
+    # The bound as the comparison sees it: converted to the result's dtype (finfo(float32).min against
+    # float16 scores is -inf)
+    bound = float(torch.tensor(bound, dtype=torch.float64).to(dtype))
+    if bound != float("-inf") and bound != torch.finfo(dtype).min:
+        raise _Skip(f"'{x.name}' clamps the scores from below at {bound:.6g}: a bound above the {dtype} "
+                    f"minimum ({torch.finfo(dtype).min:.6g}) changes finite scores; only finfo.min or -inf "
+                    "(the overflow guard, the identity on finite scores) is taken")
+    if not _same_dims(_shape(x) or (), _shape(scores) or ()):
+        raise _Skip(f"'{x.name}' broadcasts the scores {list(_shape(scores) or [])} to "
+                    f"{list(_shape(x) or [])}")
+    return scores, bound
+
+
 def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     """Whether node is a matmul seen through elementwise score ops (each node visited once)."""
     seen = set() if seen is None else seen
@@ -973,6 +1061,11 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     if name in _RESHAPES or node.op == "call_function" and node.target in IN_PLACE_OPERATORS:
         # an augmented assignment left in place (on a view) is reported by the walk, not ignored
         return _reaches_matmul(node.args[0], depth - 1, seen)
+    bound = _bound_parts(node)
+    if bound is not None and bound[1] is not None and bound[2] is None:
+        # scores clamped from below (XGLM's torch.max(s, finfo.min)): taken or reported by the walk
+        # (_score_clamp). A clamp from above changes the large scores: no candidate, as before.
+        return any(_reaches_matmul(a, depth - 1, seen) for a in bound[0])
     if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
         # operands by position or keyword (torch.mul(s, other=c)); not a cast's template (m.type_as(s))
         return any(_reaches_matmul(a, depth - 1, seen) for a in _value_inputs(node))
@@ -1062,6 +1155,78 @@ def _zero_one(node, depth: int = 12) -> bool:
     except Exception:  # noqa: BLE001 - a runtime tensor: its values are not known
         return False
     return isinstance(value, torch.Tensor) and bool(((value == 0) | (value == 1)).all())
+
+
+# Factories whose values are known whatever the inputs (a template is read for its metadata only), each with
+# the position of its fill value, or the value itself.
+_FILL_FACTORIES = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros_like": 0, "new_zeros": 0,
+                   "full": (1, "fill_value"), "full_like": (1, "fill_value"), "new_full": (2, "fill_value")}
+# Ops whose result holds values of their first argument only and adds none (no zeros: not tril / triu).
+_TRUTH_KEEPING = tuple(n for n in _VALUE_SUBSETS if n not in ("tril", "triu"))
+_NOT_ANY_DTYPE = ("logical_not",)
+_TRUTH_CASTS = _CASTS + ("bool", "int", "long")
+
+
+def _constant_truth(node, depth: int = 12, evaluate: bool = True) -> bool | None:
+    """True when every element of node is provably True (nonzero), False when provably False (zero), for
+    every input and every size, else None. evaluate=False: from the structure only, never by evaluating a
+    constant (_const_eval), for callers that evaluate it themselves.
+
+    transformers' and_mask starts from ``q_idx.new_ones((), dtype=torch.bool)`` and ands the causal and
+    padding factors into it (or_mask from ``new_zeros``): a factor that masks nothing. Under dynamic shapes
+    the template has symbolic sizes, so the factor is no compile-time constant (_const_eval), and a 0-d one
+    was taken for a runtime mask of whole query rows (review s31, F1: every eager-attention transformers
+    model with a padding mask left alone under dynamic=True). Proven from the structure, so symbolic sizes
+    do not matter: a factory of ones, zeros or a constant fill (``full(.., True)``), never written in place,
+    seen through views, slices, copies and expands (values of their argument only), casts that keep zero
+    and nonzero apart (to or from bool), and, or and not of such; else a compile-time constant."""
+    if not isinstance(node, Node) or depth == 0 or tensor_meta(node) is None or in_place_writers(node):
+        return None
+    name = op_name(node)
+    if node.op == "call_function" and node.target in (operator.and_, operator.or_, operator.invert):
+        name = {operator.and_: "and_", operator.or_: "or_", operator.invert: "invert"}[node.target]
+    if name in _FILL_FACTORIES and node.kwargs.get("out") is None:
+        fill = _FILL_FACTORIES[name]
+        if isinstance(fill, tuple):
+            fill = arg(node, *fill)
+            if not (is_number(fill) or isinstance(fill, bool)) or isinstance(fill, complex):
+                return None
+        # the fill as the factory stores it: full((), 0.5, dtype=torch.int64) holds 0
+        stored = torch.tensor(fill, dtype=torch.float64 if isinstance(fill, float) else None).to(_dtype(node))
+        return bool(stored != 0)
+    if name in _AND + _OR and len(node.args) == 2 and not node.kwargs \
+            and all(_dtype(a) == torch.bool for a in node.args):
+        truths = [_constant_truth(a, depth - 1, evaluate) for a in node.args]
+        absorbing = name in _OR  # True absorbs an or, False an and
+        if absorbing in truths:
+            return absorbing
+        return truths[0] if truths[0] is not None and truths[0] == truths[1] else None
+    if name in _NOT and len(node.args) == 1 and not node.kwargs \
+            and (name in _NOT_ANY_DTYPE or _dtype(node.args[0]) == torch.bool):
+        truth = _constant_truth(node.args[0], depth - 1, evaluate)
+        return None if truth is None else not truth
+    source = node.args[0] if node.args else None
+    if name == "repeat_interleave" and len(node.args) + len(node.kwargs) < 2:
+        source = None  # torch.repeat_interleave(repeats) returns indices, not the values of repeats
+    dtypes = (_dtype(source), _dtype(node)) if isinstance(source, Node) else ()
+    if tensor_meta(source) is not None and (
+        name in _TRUTH_KEEPING and dtypes[0] == dtypes[1]
+        # a cast keeps zero and nonzero apart to or from bool only (0.5 to an integer is 0, 1e-50 to float32
+        # is 0), and when it keeps the dtype (.to(device))
+        or name in _TRUTH_CASTS and (dtypes[0] == dtypes[1] or torch.bool in dtypes)
+    ):
+        truth = _constant_truth(source, depth - 1, evaluate)
+        if truth is not None:
+            return truth
+    if not evaluate:
+        return None
+    try:
+        value = torch.as_tensor(_const_eval(node))
+    except Exception:  # noqa: BLE001 - a runtime tensor (or one of symbolic size): not known
+        return None
+    if bool((value != 0).all()):
+        return True
+    return False if not bool(value.any()) else None
 
 
 def _multiplicative_mask(node: Node) -> tuple[Node, Node, Node, Node, float] | None:
@@ -1876,6 +2041,15 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             cand.masks.stages[cond] = _shape(scores)
             consumer, x = x, scores
             continue
+        clamp = _score_clamp(x)
+        if clamp is not None:
+            # max(s, finfo.min) is s for every finite s, gradient included (the tie at finfo.min is on a
+            # masked key); only -inf (a -inf fill or mask, finfo.min plus a negative score overflowing)
+            # becomes finfo.min: a masked value still, as the op takes every fill (a finite fill as -inf: the
+            # rows with every key masked, reported below). max(s, -inf) is s.
+            steps.append(("clamp", clamp[1]))
+            consumer, x = x, clamp[0]
+            continue
         if x.op == "call_function" and x.target in IN_PLACE_OPERATORS:
             raise _Skip(f"'{x.name}' updates the scores in place ({x.target.__name__}) on a view or a tensor "
                         "read elsewhere; only in-place updates of a freshly computed tensor are taken")
@@ -1896,10 +2070,17 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 raise _Skip("a mask applied to the scores before the multiplicative mask (scores * b - c "
                             "* (1 - b)) may leave -inf scores where b is 0, which eager turns into NaN "
                             "(-inf * 0)")
-    # A symbolic or tensor factor after any mask is left alone (sign unknown).
+    # A clamp at finfo.min makes the -inf of the masks inside it finfo.min: on a row with every key masked
+    # eager gives the average of v, not NaN, as for a finite fill.
+    clamps = [i for i, (kind, bound) in enumerate(steps) if kind == "clamp" and math.isfinite(bound)]
+    if clamps:
+        if any(kind in ("add", "sub", "keep") for kind, _ in steps[clamps[0] + 1:]):
+            cand.finite_fills.append(steps[clamps[0]][1])
+        cand.inf_fill = any(not math.isfinite(value) for i, value in fills.items() if i < clamps[0])
+    # A symbolic or tensor factor after any mask (or a clamp at finfo.min) is left alone (sign unknown).
     seen_mask = False
     for kind, _ in reversed(steps):  # innermost first
-        if kind in ("add", "sub", "keep"):
+        if kind in ("add", "sub", "keep", "clamp"):
             seen_mask = True
         elif kind in ("symbolic scale", "tensor scale") and seen_mask:
             raise _Skip(f"the scores are scaled by a {kind.split()[0]} factor (sign unknown) after masking")
@@ -1915,6 +2096,9 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
         elif kind == "keep" and after != 1.0 and fills[i] * after > _MASKED_VALUE:
             raise _Skip(f"the fill value {fills[i]:.3g} is scaled by {after:.3g} afterwards, to "
                         f"{fills[i] * after:.3g}: not a masked-out value")
+        elif kind == "clamp" and after != 1.0 and obj * after > _MASKED_VALUE:
+            raise _Skip(f"the scores are clamped at {obj:.3g} and scaled by {after:.3g} afterwards, to "
+                        f"{obj * after:.3g}: not a masked-out value")
         elif kind == "sub" and after != 1.0:
             raise _Skip("the scores are scaled after a mask was subtracted from them: the mask would be "
                         "scaled too")
@@ -2015,14 +2199,19 @@ def _qk(cand: _Candidate, mm: Node):
     if not (isinstance(q, Node) and isinstance(kt, Node)):
         raise _Skip("q·kᵀ operands are not tensors")
     ndim = len(_shape(q) or ())
-    if ndim not in (3, 4) or len(_shape(kt) or ()) != ndim:
+    if ndim < 3 or len(_shape(kt) or ()) != ndim:
         raise _Skip(f"q·kᵀ operands are {ndim}-d; the flash op takes (B, H, S, D) or (BH, S, D)")
     cand.batch_dims = ndim - 2
     kt = _strip_scales(cand, kt, mm)
     while op_name(kt) in _IDENTITY and isinstance(kt.args[0], Node):  # kᵀ.contiguous(): the same values
         cand.chain.append(kt)
         kt = kt.args[0]
-    k, cand.k_perm = _untranspose(kt, ndim)
+    try:
+        k, cand.k_perm = _untranspose(kt, ndim)
+    except _Skip as skip:
+        if ndim > 4:  # (q·kᵀ over more than two batch dims is taken as _Layout._merge says)
+            raise _Skip(f"q·kᵀ operands are {ndim}-d: {skip}") from None
+        raise
     cand.chain.append(kt)  # erased only if the rewrite leaves it without users
     cand.k = _strip_scales(cand, k, kt)
     cand.q = _strip_scales(cand, q, mm)
@@ -2039,18 +2228,48 @@ def _qk(cand: _Candidate, mm: Node):
 _PROBS_ELEMENTWISE = ("mul", "div", "add", "sub", "masked_fill", "masked_fill_", "where")
 
 
-def _feeds_matmul(node: Node, depth: int = 8) -> bool:
+def _feeds_matmul(node: Node, depth: int = 8, also: tuple = ()) -> bool:
+    """Whether node reaches a matmul through the probabilities' elementwise ops (and the ops in also)."""
     for user in node.users:
         name = op_name(user)
         if name in _MATMULS:
             return True
         if depth and (
-            name in _CASTS + _IDENTITY + _RESHAPES + _PROBS_ELEMENTWISE + ("dropout", "dropout_")
+            name in _CASTS + _IDENTITY + _RESHAPES + _PROBS_ELEMENTWISE + ("dropout", "dropout_") + also
             or user.target is torch.nn.functional.dropout
         ):
-            if _feeds_matmul(user, depth - 1):
+            if _feeds_matmul(user, depth - 1, also):
                 return True
     return False
+
+
+_CATS = ("cat", "concat", "concatenate")
+
+
+def _concatenated_scores(node, depth: int = 16, seen: set | None = None) -> Node | None:
+    """The torch.cat along the last (key) dim, reached from a softmax input through the scores' elementwise
+    ops, that joins q·kᵀ's scores with other columns (GPT-OSS's attention sinks: ``cat([s, sinks], -1)``),
+    else None. Such a softmax is no attention the op computes: its probabilities over the keys sum to less
+    than 1 (the other columns take the rest), and the op's softmax runs over the keys alone."""
+    seen = set() if seen is None else seen
+    if not isinstance(node, Node) or depth == 0 or node in seen:
+        return None
+    seen.add(node)
+    name = op_name(node)
+    if name in _CATS:
+        tensors, ndim = arg(node, 0, "tensors"), len(_shape(node) or ())
+        if (isinstance(tensors, (list, tuple)) and len(tensors) > 1 and ndim
+                and norm_dim(arg(node, 1, "dim", 0), ndim) == ndim - 1
+                and any(map(_reaches_matmul, tensors))):
+            return node
+        return None
+    if name in _RESHAPES + _CASTS + _IDENTITY + ("mul", "div", "add", "sub", "masked_fill", "where") \
+            or _bound_parts(node) is not None:
+        for a in _value_inputs(node):
+            found = _concatenated_scores(a, depth - 1, seen)
+            if found is not None:
+                return found
+    return None
 
 
 def _dropout_p(node: Node):
@@ -2271,6 +2490,10 @@ class _Layout:
         self.cand = cand
         self.qk_lead, self.pv_lead = tuple(scores_shape[:-2]), tuple(probs_shape[:-2])
         self.canon, self.canon_view = self.qk_lead, None
+        self.merged = len(self.qk_lead) > 2
+        if self.merged:
+            self._merge(scores_shape, k_shape, v_shape)
+            return
         if len(self.canon) == 1:
             for view in cand.score_views + cand.prob_views:
                 if len(_shape(view)) == 4:
@@ -2309,6 +2532,40 @@ class _Layout:
                 f"the output's (batch, heads) layout {list(self.pv_lead)} is symbolic and not the op's"
             )
 
+    def _merge(self, scores_shape, k_shape, v_shape):
+        """More than two batch dims (Hiera's (B, heads, windows, tokens, head_dim) mask units): the op runs
+        on (B, heads·windows, ...), q, k, v flattened over the dims after the first and the output
+        unflattened back. The same function: each (batch..., query) row attends to the keys of the same
+        batch index, in any row-major numbering of those. Only where q, k, v and the probabilities all
+        hold every batch index themselves (no broadcast k / v, no view of the scores), and each mask
+        either holds the merged dims or broadcasts over all of them (then over every merged index)."""
+        lead = self.qk_lead
+        refused = (f"q·kᵀ operands are {len(scores_shape)}-d (scores {list(scores_shape)}), merged into the "
+                   "op's (B, H)")
+        if (self.cand.score_views or self.cand.prob_views or not _same_dims(self.pv_lead, lead)
+                or not _same_dims(k_shape[:-2], lead) or not _same_dims(v_shape[:-2], lead)):
+            raise _Skip(f"{refused} only where q, k, v and the probabilities hold every batch index, "
+                        f"unviewed (k {list(k_shape)}, v {list(v_shape)})")
+        self.canon = (lead[0], _prod(lead[1:]))
+        self.convert_qk = self.convert_pv = False
+        self.lead_args = None
+        self.mask_plans = {}
+        for node in self.cand.masks.nodes():
+            shape = _shape(node)
+            if len(shape) == len(scores_shape) and (all(_holds(d == 1) for d in shape[1:-2])
+                                                    or _same_dims(shape[1:-2], lead[1:])):
+                # (B or 1, heads, windows, ..) or (B or 1, 1, 1, ..): merged as q, k, v are
+                self.mask_plans[node] = "merge"
+                continue
+            try:
+                plan = self._mask_plan(node, scores_shape)
+            except _Skip:
+                plan = "refused"
+            if plan not in (None, "flatten"):
+                raise _Skip(f"{refused} only with masks that hold all the batch dims after the first or "
+                            f"none: mask {list(shape)}")
+            self.mask_plans[node] = plan
+
     def _mask_plan(self, node: Node, scores_shape):
         """How a mask reaches the op's layout: None (it broadcasts as it is), "flatten" (a >4-d mask
         with no batch or head extent), ("rows", lead) (one row per (batch·head): reshaped like q and k,
@@ -2334,6 +2591,8 @@ class _Layout:
         """q, k, v shapes as the op sees them: (B, H, S, D)."""
         canon4 = self.canon if len(self.canon) == 2 else (1,) + self.canon
         q_shape, k_shape, v_shape = (tuple(s) for s in (q_shape, k_shape, v_shape))
+        if self.merged:
+            return tuple(canon4 + s[-2:] for s in (q_shape, k_shape, v_shape))
         if self.convert_qk or len(self.canon) == 1:
             q_shape, k_shape = canon4 + q_shape[-2:], canon4 + k_shape[-2:]
         if self.convert_pv or len(self.canon) == 1:
@@ -2352,6 +2611,15 @@ class _Layout:
 
     def inputs(self, graph, q_in, k_in, v_in, like):
         """q, k, v (and the masks, in place) in the op's layout."""
+        if self.merged:
+            # the sizes to unflatten the output with: q's own, symbolic ones read from it
+            self.merged_sizes = tuple(
+                d if isinstance(d, int) else insert_call(graph, torch.ops.aten.sym_size.int, (q_in, i),
+                                                         like=like)
+                for i, d in enumerate(self.qk_lead) if i)
+            last = len(self.qk_lead) - 1
+            q_in, k_in, v_in = (insert_call(graph, torch.flatten, (t, 1, last), like=like)
+                                for t in (q_in, k_in, v_in))
         if self.convert_qk:
             q_in, k_in = (self._to_canon(graph, t, self.qk_lead, None, like) for t in (q_in, k_in))
         if self.convert_pv:
@@ -2363,7 +2631,10 @@ class _Layout:
         masks = self.cand.masks
         remapped = {}
         for node, plan in self.mask_plans.items():
-            if plan == "flatten":
+            if plan == "merge":
+                last = len(self.qk_lead) - 1
+                remapped[node] = insert_call(graph, torch.flatten, (node, 1, last), like=like)
+            elif plan == "flatten":
                 end_dim = len(_shape(node)) - 3
                 remapped[node] = insert_call(graph, torch.flatten, (node, 0, end_dim), like=like)
             elif plan is not None and plan[0] == "rows":
@@ -2381,6 +2652,8 @@ class _Layout:
 
     def output(self, graph, out, like):
         """The op's (B, H, Sq, Dv) output in the layout ·v produced."""
+        if self.merged:
+            return insert_call(graph, torch.unflatten, (out, 1, self.merged_sizes), like=like)
         if len(self.canon) == 1:
             return insert_call(graph, torch.squeeze, (out, 0), like=like)
         if self.convert_pv:
@@ -2422,9 +2695,15 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     if not isinstance(x, Node) or tensor_meta(x) is None:
         return
     cand = _Candidate()
-    # Only softmaxes that sit between two matmuls are attention candidates worth a report.
-    if not _feeds_matmul(softmax):
+    # Only softmaxes that sit between two matmuls are attention candidates worth a report; those over the
+    # scores and other columns, whose extra columns are sliced off before ·v (sinks), too.
+    joined = _concatenated_scores(x)
+    if not _feeds_matmul(softmax, also=("getitem", "narrow") if joined is not None else ()):
         return
+    if joined is not None:
+        raise _Skip(f"softmax over the scores concatenated with other columns along the key dim "
+                    f"('{joined.name}'): the op's softmax runs over the keys of one q·kᵀ alone (attention "
+                    "sinks: the probabilities of the keys do not sum to 1, the sink columns take the rest)")
     if not _reaches_matmul(x):
         if _softcapped(x):
             raise _Skip("the scores pass through tanh (logit soft-capping, as in Gemma 2): the op has no "
@@ -2521,7 +2800,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     for node in [n for n in cand.chain if op_name(n) in _CASTS] + ([softmax] if sm_dtype is not None else []):
         if not _precise_enough(_dtype(node), src):
             raise _Skip(f"'{node.name}' casts to {_dtype(node)}, less precise than the {src} inputs")
-    if len(q_shape) != cand.batch_dims + 2 or cand.batch_dims not in (1, 2):
+    if len(q_shape) != cand.batch_dims + 2 or cand.batch_dims < 1:
         raise _Skip(f"attention over {cand.batch_dims} batch dims; the flash op takes (B, H) or (BH)")
     if scores_shape != tuple(q_shape[:-1]) + (k_shape[-2],):
         raise _Skip(

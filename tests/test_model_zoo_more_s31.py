@@ -16,7 +16,8 @@ EXAONE 4), LayerNorm with weight + 1 (Nemotron), q/k LayerNorm (Persimmon), atte
 multipliers (Granite), MoE blocks (Mixtral, Qwen2-MoE, DeepSeek, Llama 4), a Mamba hybrid (Jamba), local and
 global layers with GeGLU (ModernBERT), rotary ESM, layer scale (DINOv2), mask-unit attention (Hiera), 2-D
 rotary vision (Pixtral) and two more seq2seq models (Marian, M2M-100). Findings (missed rewrites, each with a
-standalone repro) are in scratch/s31/zoo_findings.md; the strict xfails below name them.
+standalone repro) are in tests/findings/zoo_review_s31.md; the tests at the end pin F1-F3, fixed since (F4:
+hiera_cls's counts).
 """
 
 import copy
@@ -72,8 +73,8 @@ DECODERS = {
         **MHA, **MLA, q_lora_rank=24, qk_nope_head_dim=8, v_head_dim=32, n_group=2, topk_group=1),
         ("eager",), dict(attention=2, norm=9)),
     # softmax over [scores, per-head sink logit], the sink column dropped: not plain attention, never
-    # rewritten; left alone without a near miss (finding F3). Eager only (transformers refuses SDPA).
-    "gpt_oss": (T.GptOssForCausalLM, _gpt_oss, ("eager",), dict(attention=0, attention_skipped=None, norm=5)),
+    # rewritten; reported, one near miss per layer (finding F3). Eager only (transformers refuses SDPA).
+    "gpt_oss": (T.GptOssForCausalLM, _gpt_oss, ("eager",), dict(attention=0, attention_skipped=2, norm=5)),
     # layer 0 chunked (4 tokens) with RoPE and the weightless L2 q/k norm (2 calls of one module), layer 1
     # global NoPE with the attention temperature (queries scaled by position); layer 1 MoE
     "llama4": (T.Llama4ForCausalLM, lambda: T.Llama4TextConfig(
@@ -117,10 +118,9 @@ DECODERS = {
     "biogpt": (T.BioGptForCausalLM, lambda: T.BioGptConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, **dec._IDS), ("sdpa",), dict(attention=2, norm=5, dense=2)),
-    # its own attention: the masked scores clamped with torch.max(s, finfo.min) before the softmax. Not a
-    # candidate today, no near miss: finding F2 (test_xglm_attention_is_rewritten)
-    "xglm": (T.XGLMForCausalLM, _xglm, ("eager",),
-             dict(attention=None, attention_skipped=None, norm=5, dense=2)),
+    # its own attention: the masked scores clamped with torch.max(s, finfo.min) before the softmax, the
+    # identity on finite scores (finding F2, test_xglm_attention_is_rewritten)
+    "xglm": (T.XGLMForCausalLM, _xglm, ("eager",), dict(attention=2, norm=5, dense=2)),
     # Mamba layer 0 (the torch fallback: no mamba-ssm / causal-conv1d), attention layer 1, MoE layer 1;
     # RMSNorms: 2 per layer, the Mamba mixer's dt / B / C norms, final
     "jamba": (T.JambaForCausalLM, lambda: T.JambaConfig(
@@ -259,9 +259,9 @@ ENCODERS = {
     "dinov2_registers_swiglu_cls": (_dinov2_registers_swiglu_cls, ("eager",),
                                     dict(attention=2, norm=5, cross_entropy=1)),
     # stage 1 attends within mask units, stage 2 globally with max-pooled queries (fewer than the keys), both
-    # on (B, heads, windows, tokens, head_dim) operands: reported ("5-d") and left alone (finding F4), see
-    # REASONS. Eager only (its own attention module).
-    "hiera_cls": (_hiera_cls, ("eager",), dict(attention_skipped=2, norm=5, dense=2, cross_entropy=1)),
+    # on (B, heads, windows, tokens, head_dim) operands: merged into the op's (B, heads·windows) (finding F4,
+    # fixed). Eager only (its own attention module).
+    "hiera_cls": (_hiera_cls, ("eager",), dict(attention=2, norm=5, dense=2, cross_entropy=1)),
     # tanh-GELU MLP; post_layernorm
     "idefics3_vision": (_idefics3_vision, ("sdpa",), dict(attention=2, norm=5, dense=2)),
     # 2-D rotary, RMSNorm (ln_pre + 2 per layer); gated MLP w2(gelu(w1 x) * w3 x): the w1 Linear + GELU fuse
@@ -275,7 +275,7 @@ ENCODERS = {
                dict(attention=3, norm=7, cross_entropy=1)),
 }
 # the reason every attention near miss of a model gives
-REASONS = {"hiera_cls": "operands are 5-d"}
+REASONS: dict[str, str] = {}
 
 ENCODER_CASES = [(n, i) for n, (_, impls, _) in ENCODERS.items() for i in impls]
 
@@ -297,8 +297,9 @@ def test_encoder(name, impl, training):
 @pytest.mark.parametrize("name, impl", [("deepseek_v3", "sdpa"), ("llama4", "sdpa"), ("granite", "eager")])
 def test_decoder_dynamic_shapes(name, impl):
     """dynamic=True: one compile per mode serves three sequence lengths (the batch's right padding kept in
-    training), each compared with eager, outputs and gradients. The eager implementation's layers are each
-    rewritten or reported; today reported (finding F1, test_mask_with_a_scalar_true_factor_under_dynamic)."""
+    training), each compared with eager, outputs and gradients. Every layer is rewritten, the eager
+    implementation's too (its mask's scalar True start, finding F1:
+    test_mask_with_a_scalar_true_factor_under_dynamic)."""
     model = _build_decoder(name, impl)
     compiled = torch.compile(copy.deepcopy(model), backend=rewrite_only_backend, dynamic=True)
     torch._dynamo.reset()
@@ -315,10 +316,7 @@ def test_decoder_dynamic_shapes(name, impl):
                     torch.testing.assert_close(grads[key], want, **dec.TOL, msg=lambda m, k=key: f"{k}: {m}")
         flash = counters["flash"]
         attention = DECODERS[name][3]["attention"]
-        if impl == "sdpa":
-            assert (flash["attention"], flash["attention_skipped"]) == (attention, 0), str(report)
-        else:
-            assert flash["attention"] + flash["attention_skipped"] == attention, str(report)
+        assert (flash["attention"], flash["attention_skipped"]) == (attention, 0), str(report)
         assert flash["norm"] == DECODERS[name][3]["norm"], str(report)
         assert flash["cross_entropy"] == training, str(report)
 
@@ -336,12 +334,11 @@ def test_mla_flash_backend_end_to_end():
     assert (counters["flash"]["attention"], counters["flash"]["norm"]) == (2, 7), str(report)
 
 
-# ------------------------------------------------------------------------- findings: missed rewrites, pinned
+# ------------------------------------------------- findings (findings/zoo_review_s31.md F1-F3), fixed
 
 
-@pytest.mark.xfail(strict=True, reason="zoo_findings.md F2: torch.max(s, finfo.min), XGLM's clamp of the "
-                                       "masked scores, makes the attention no candidate")
 def test_xglm_attention_is_rewritten():
+    """F2: torch.max(s, finfo.min), XGLM's clamp of the masked scores, is the identity on finite scores."""
     report = dec._compare(_build_decoder("xglm", "eager"), False, rewrite_only_backend)
     assert counters["flash"]["attention"] == 2, str(report)
 
@@ -355,10 +352,9 @@ def _scalar_start_mask(q, k, v, pad):
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask, dim=-1) @ v
 
 
-@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="zoo_findings.md F1: under dynamic shapes the scalar True factor of the mask is "
-                        "taken for a mask broadcast over the keys (near miss)"))])
+@pytest.mark.parametrize("dynamic", [False, True])
 def test_mask_with_a_scalar_true_factor_under_dynamic(dynamic):
+    """F1: the scalar True start of transformers' and_mask masks nothing, also under dynamic shapes."""
     q, k, v = _qkv(S=9, D=16)
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[1, -3:] = False
@@ -367,9 +363,10 @@ def test_mask_with_a_scalar_true_factor_under_dynamic(dynamic):
     assert _rewrites() == (1, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="zoo_findings.md F3: GPT-OSS's sink attention is left alone silently, "
-                                       "no near miss says why")
 def test_attention_sinks_are_a_reported_near_miss():
+    """F3: GPT-OSS's sink attention is left alone, and the report says why."""
     with fx_passes.collecting() as report:
         dec._compare(_build_decoder("gpt_oss", "eager"), False, rewrite_only_backend)
-    assert counters["flash"]["attention_skipped"] == 2, str(report)
+    assert (counters["flash"]["attention"], counters["flash"]["attention_skipped"]) == (0, 2), str(report)
+    reasons = [d.detail for d in report.near_misses if d.family == "attention"]
+    assert all("attention sinks" in r for r in reasons), str(report)
