@@ -20,7 +20,6 @@ import math
 
 import pytest
 import test_model_zoo_decoders as dec
-import test_model_zoo_encoders as enc
 import test_model_zoo_more_s31 as zoo
 import torch
 import torch.nn as nn
@@ -215,14 +214,7 @@ def _dynamic_model_check(name, training, impl="eager"):
     torch._dynamo.reset()
     counters.clear()
     with fx_passes.collecting() as report:
-        for length in (dec.S, 8, 5):
-            inputs = {key: t[:, -length:].clone() for key, t in dec._inputs(training).items()}
-            (ref, ref_grads), (out, grads) = (enc._step(m, inputs, training) for m in (model, compiled))
-            for key, want in ref.items():
-                torch.testing.assert_close(out[key], want, **dec.TOL, msg=lambda m: f"{m}\n{report}")
-            assert grads.keys() == ref_grads.keys()
-            for key, want in ref_grads.items():
-                torch.testing.assert_close(grads[key], want, **dec.TOL, msg=lambda m, k=key: f"{k}: {m}")
+        zoo.compare_over_lengths(model, compiled, training, report)
     return counters["flash"], report
 
 

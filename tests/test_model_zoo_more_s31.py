@@ -294,6 +294,19 @@ def test_encoder(name, impl, training):
 # ------------------------------------------------------------------------------------------- dynamic shapes
 
 
+def compare_over_lengths(model, compiled, training, report):
+    """compiled (dynamic=True) against eager model at three sequence lengths (the batch's right padding kept
+    in training): outputs and parameter gradients."""
+    for length in (dec.S, 8, 5):
+        inputs = {k: t[:, -length:].clone() for k, t in dec._inputs(training).items()}
+        (ref, ref_grads), (out, grads) = (enc._step(m, inputs, training) for m in (model, compiled))
+        for key, want in ref.items():
+            torch.testing.assert_close(out[key], want, **dec.TOL, msg=lambda m: f"{m}\n{report}")
+        assert grads.keys() == ref_grads.keys()
+        for key, want in ref_grads.items():
+            torch.testing.assert_close(grads[key], want, **dec.TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
 @pytest.mark.parametrize("name, impl", [("deepseek_v3", "sdpa"), ("llama4", "sdpa"), ("granite", "eager")])
 def test_decoder_dynamic_shapes(name, impl):
     """dynamic=True: one compile per mode serves three sequence lengths (the batch's right padding kept in
@@ -306,14 +319,7 @@ def test_decoder_dynamic_shapes(name, impl):
     for training in (False, True):
         counters.clear()
         with fx_passes.collecting() as report:
-            for length in (dec.S, 8, 5):
-                inputs = {k: t[:, -length:].clone() for k, t in dec._inputs(training).items()}
-                (ref, ref_grads), (out, grads) = (enc._step(m, inputs, training) for m in (model, compiled))
-                for key, want in ref.items():
-                    torch.testing.assert_close(out[key], want, **dec.TOL, msg=lambda m: f"{m}\n{report}")
-                assert grads.keys() == ref_grads.keys()
-                for key, want in ref_grads.items():
-                    torch.testing.assert_close(grads[key], want, **dec.TOL, msg=lambda m, k=key: f"{k}: {m}")
+            compare_over_lengths(model, compiled, training, report)
         flash = counters["flash"]
         attention = DECODERS[name][3]["attention"]
         assert (flash["attention"], flash["attention_skipped"]) == (attention, 0), str(report)
