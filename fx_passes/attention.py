@@ -1049,6 +1049,11 @@ def _score_clamp(x: Node) -> tuple[Node, float] | None:
     return scores, bound
 
 
+# The elementwise ops the scores pass through between q·kᵀ and the softmax (scale, mask, fill), which the
+# graph walks from a softmax input see through (_reaches_matmul, _concatenated_scores)
+_SCORE_ELEMENTWISE = ("mul", "div", "add", "sub", "masked_fill", "where")
+
+
 def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     """Whether node is a matmul seen through elementwise score ops (each node visited once)."""
     seen = set() if seen is None else seen
@@ -1066,7 +1071,7 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
         # scores clamped from below (XGLM's torch.max(s, finfo.min)): taken or reported by the walk
         # (_score_clamp). A clamp from above changes the large scores: no candidate, as before.
         return any(_reaches_matmul(a, depth - 1, seen) for a in bound[0])
-    if name in _CASTS + _IDENTITY + ("mul", "div", "add", "masked_fill", "masked_fill_", "where", "sub"):
+    if name in _CASTS + _IDENTITY + _SCORE_ELEMENTWISE + ("masked_fill_",):
         # operands by position or keyword (torch.mul(s, other=c)); not a cast's template (m.type_as(s))
         return any(_reaches_matmul(a, depth - 1, seen) for a in _value_inputs(node))
     return False
@@ -2263,8 +2268,7 @@ def _concatenated_scores(node, depth: int = 16, seen: set | None = None) -> Node
                 and any(map(_reaches_matmul, tensors))):
             return node
         return None
-    if name in _RESHAPES + _CASTS + _IDENTITY + ("mul", "div", "add", "sub", "masked_fill", "where") \
-            or _bound_parts(node) is not None:
+    if name in _RESHAPES + _CASTS + _IDENTITY + _SCORE_ELEMENTWISE or _bound_parts(node) is not None:
         for a in _value_inputs(node):
             found = _concatenated_scores(a, depth - 1, seen)
             if found is not None:
