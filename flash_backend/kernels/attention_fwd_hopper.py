@@ -78,17 +78,19 @@ MIN_SEQ_Q_CAUSAL_64 = 2048
 # bench/attention_gluon_probe.py's configurations, where it beat the Triton forward on the H200
 # (bench/logs/attention_gluon_probe*_h200.log): head_dim 128 1.16-1.21x, 256 1.29-1.32x, 64 non-causal with
 # three consumers (192 rows a CTA, as FA3) 1.06-1.10x; 64 causal with three consumers, no ping-pong (above).
-# RAW_SCORES (the FMA softmax, _block_scores) only where it measured faster: head_dim 64 causal 1.05-1.09x
-# the kernel without it (4,16,4096, 8,16,4096, 2,16,8192), twice. On at every configuration, head_dim 64
-# non-causal ran 0.91-0.93x (its edge-block masking became selects on every block) and head_dim 128 / 256
-# 0.94-0.97x, which is within this probe's spread between identical kernels (8,16,2048,128: 0.955x), so
-# unproven either way there (bench/logs/attention_gluon_fwd_fma_softmax_s29_h200.log, _shipped_s29_h200.log).
+# RAW_SCORES (the FMA softmax, _block_scores): head_dim 64 causal 1.05-1.09x the kernel without it (4,16,4096,
+# 8,16,4096, 2,16,8192), twice (bench/logs/attention_gluon_fwd_fma_softmax_s29_h200.log, _shipped_s29_h200
+# .log). Non-causal it lost while the last block's masking sat inside the key loop (ptxas made it selects on
+# every block: head_dim 64 0.91-0.93x); with that block peeled (session 32, _consumer_blocks) it gains
+# 1.06-1.11x at head_dim 64, 1.00-1.03x at 128, 1.02x at 256 (bench/logs/attention_fwd_peel_s32_h200.log).
+# A padding mask's forward keeps the scaled scores (routed_config): its loops keep their masking inside,
+# where RAW_SCORES measured slower.
 CONFIGS = {
-    (64, False): (128, 2, True, 3, False),
+    (64, False): (128, 2, True, 3, True),
     (64, True): (128, 2, False, 3, True),
-    (128, False): (128, 2, True, 2, False),
+    (128, False): (128, 2, True, 2, True),
     (128, True): (128, 2, True, 2, False),
-    (256, False): (64, 2, False, 2, False),
+    (256, False): (64, 2, False, 2, True),
     (256, True): (64, 2, False, 2, False),
 }
 # Persistent CTAs (a config's PERSISTENT: one CTA an SM, each taking every sm_count-th tile, the next tile's Q
@@ -98,6 +100,10 @@ CONFIGS = {
 # 0.97-0.99x from 4096 rows (GQA too). Head_dim 64 keeps its three consumers (two persistent ones: 0.93x
 # at 2048 rows, and three spill 268 bytes at their 160 registers).
 PERSISTENT_MAX_SEQ_Q_128 = 2048
+# The key loop with its last block peeled (_consumer_blocks) at head_dim 64 causal: 0.976-0.993x the loop
+# with every block's masking inside, where head_dim 128 / 256 causal gained 1.00-1.04x (bench/probes/
+# attention_fwd_peel_probe.py, bench/logs/attention_fwd_peel_s32_h200.log).
+PEEL_CAUSAL_64 = triton.language.constexpr(False)
 _PRODUCER_REGS = 24
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of this many keys
@@ -254,11 +260,17 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, KEYS: gl.constexpr, RAW: gl.constexpr,
-                      s_layout: gl.constexpr):
+                      EDGE: gl.constexpr, s_layout: gl.constexpr):
         """Block j's scores with what hides keys applied (module KEYS_* modes), -inf where hidden: in base
-        2, or unscaled when RAW."""
+        2, or unscaled when RAW. EDGE False: a block between the edges of the keys, nothing hidden (no code
+        for the masking at all; KEYS_BIAS still adds its bias)."""
         if KEYS == KEYS_BIAS:
             return s * qk_scale + gl.expand_dims(bias, 0)
+        elif not EDGE:
+            if RAW:
+                return s
+            else:
+                return s * qk_scale
         elif RAW:
             return _masked(s, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, BLOCK_N, CAUSAL,
                            KEYS, s_layout)
@@ -281,6 +293,51 @@ if GLUON_AVAILABLE:
             return gl.exp2(s * qk_scale - gl.expand_dims(m, 1))
         else:
             return gl.exp2(s - gl.expand_dims(m, 1))
+
+    @gluon.jit
+    def _key_block(WG: gl.constexpr, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars,
+                   p_op, acc, m_i, l_i, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row,
+                   qk_scale, c0, k0, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, KEYS: gl.constexpr,
+                   RAW: gl.constexpr, EDGE: gl.constexpr):
+        """Key block j >= 1 of _consumer_blocks' loop: S_j = Q K_j^T issued with P_{j-1} V_{j-1}, S_j's
+        online softmax while P V runs, then O rescaled. EDGE: the block may hold hidden keys (_block_scores
+        masks it); (P_j in the A-operand layout, acc, m_i, l_i) carry on."""
+        dtype: gl.constexpr = q_smem.dtype
+        BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        stage = (c0 + j) % STAGES
+        prev = (c0 + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((c0 + j) // STAGES) & 1)
+        k_smem = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(v_ready.index(prev), ((c0 + j - 1) // STAGES) & 1)
+        v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        _wait_turn(turn_bars, WG, k0 + j, PINGPONG)
+        zero_s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, s_layout)
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        bias = _block_bias(bias_row, first_block + j, BLOCK_N, KEYS, s_layout)
+        # wgmma groups complete in issue order: one outstanding means S_j is done, P V may still run
+        s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        s = _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
+                          BLOCK_N, CAUSAL, KEYS, RAW, EDGE, s_layout)
+        m_new = gl.maximum(m_i, _row_max(s, qk_scale, RAW))
+        alpha = gl.exp2(m_i - m_new)
+        p = _exp2_shifted(s, m_new, qk_scale, RAW)
+        l_i = l_i * alpha + gl.reduce(p, 1, _add_fn)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        return p_op, acc, m_new, l_i
 
     @gluon.jit
     def _consumer_blocks(WG: gl.constexpr, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
@@ -321,7 +378,7 @@ if GLUON_AVAILABLE:
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem))
         mbarrier.arrive(k_empty.index(c0 % STAGES), count=1)
         s = _block_scores(s, bias, 0, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                          BLOCK_N, CAUSAL, KEYS, RAW, s_layout)
+                          BLOCK_N, CAUSAL, KEYS, RAW, True, s_layout)
         m_i = _row_max(s, qk_scale, RAW)
         if KEYS != KEYS_PLAIN:
             # The first block holds the padding row's first live key, live for every query row (the mask
@@ -336,32 +393,33 @@ if GLUON_AVAILABLE:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = gl.full([BLOCK_M, HEAD_DIM], 0.0, gl.float32, o_layout)
 
-        for j in range(1, n_mine):
-            stage = (c0 + j) % STAGES
-            prev = (c0 + j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), ((c0 + j) // STAGES) & 1)
-            k_smem = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(prev), ((c0 + j - 1) // STAGES) & 1)
-            v_smem = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            _wait_turn(turn_bars, WG, k0 + j, PINGPONG)
-            s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_op, v_smem, acc, is_async=True)
-            _pass_turn(turn_bars, WG, PINGPONG)
-            bias = _block_bias(bias_row, first_block + j, BLOCK_N, KEYS, s_layout)
-            # wgmma groups complete in issue order: one outstanding means S_j is done, P V may still run
-            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_smem))
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            s = _block_scores(s, bias, j, n_blocks, rows, first_row, first_block, key_lo, key_hi, qk_scale,
-                              BLOCK_N, CAUSAL, KEYS, RAW, s_layout)
-            m_new = gl.maximum(m_i, _row_max(s, qk_scale, RAW))
-            alpha = gl.exp2(m_i - m_new)
-            p = _exp2_shifted(s, m_new, qk_scale, RAW)
-            l_i = l_i * alpha + gl.reduce(p, 1, _add_fn)
-            m_i = m_new
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc, _ = warpgroup_mma_wait(0, deps=(o_tok, v_smem))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        # KEYS_PLAIN: only the last block can hold hidden keys (the sequence's end and, causal, the block
+        # crossing the warpgroup's diagonal: the blocks before it lie wholly below the diagonal, the rows
+        # being 64 and the blocks 64 or 128 keys wide), and the peeled first one. The loop runs the blocks
+        # between with no masking code at all and the last block comes after it: with the masking inside
+        # the loop, ptxas predicated its selects onto every block (64 FSEL and their predicates an
+        # iteration at head_dim 64, 128 causal). The last block is a loop of zero or one trips, not an
+        # `if`: an `if` merging the accumulators made ptxas serialize the wgmmas. KEYS_BIAS adds the bias on
+        # every block, and KEYS_RANGE peeled the same way spilled inside its loop at head_dim 64 (three
+        # consumers, two key loops a kernel): one loop for both; head_dim 64 causal too (PEEL_CAUSAL_64).
+        PEEL: gl.constexpr = KEYS == KEYS_PLAIN and (PEEL_CAUSAL_64 or not (CAUSAL and HEAD_DIM == 64))
+        if not PEEL:
+            for j in range(1, n_mine):
+                p_op, acc, m_i, l_i = _key_block(
+                    WG, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, p_op, acc,
+                    m_i, l_i, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row, qk_scale, c0,
+                    k0, CAUSAL, PINGPONG, KEYS, RAW, True)
+        else:
+            for j in range(1, n_mine - 1):
+                p_op, acc, m_i, l_i = _key_block(
+                    WG, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, p_op, acc,
+                    m_i, l_i, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row, qk_scale, c0,
+                    k0, CAUSAL, PINGPONG, KEYS, RAW, False)
+            for j in range(gl.maximum(n_mine - 1, 1), n_mine):  # the last block, if not the first
+                p_op, acc, m_i, l_i = _key_block(
+                    WG, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, p_op,
+                    acc, m_i, l_i, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row, qk_scale,
+                    c0, k0, CAUSAL, PINGPONG, KEYS, RAW, True)
 
         last = c0 + n_mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -729,10 +787,10 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config, mask: bool = F
 
 def routed_config(head_dim: int, seq_q: int, causal: bool, has_mask: bool) -> tuple:
     """The configuration a routed call runs: CONFIGS', persistent (PERSISTENT_MAX_SEQ_Q_128) where that
-    measured faster."""
-    config = _full_config(CONFIGS[(head_dim, causal)])
+    measured faster, and a padding mask's without RAW_SCORES (CONFIGS' comment)."""
+    block_n, stages, pingpong, consumers, raw_scores, _ = _full_config(CONFIGS[(head_dim, causal)])
     persistent = head_dim == 128 and not (causal or has_mask) and seq_q <= PERSISTENT_MAX_SEQ_Q_128
-    return (*config[:5], persistent)
+    return (block_n, stages, pingpong, consumers, raw_scores and not has_mask, persistent)
 
 
 def _full_config(config) -> tuple:
