@@ -24,15 +24,16 @@ Old GPT-2's ``w * b - 1e4 * (1 - b)`` is a mask when b provably holds 0 and 1 on
 k / v repeated to q's heads (repeat_kv, litgpt's expand + reshape, repeat_interleave) reach the op
 un-repeated, also before an SDPA call (_unrepeat).
 Masks built from constants only (tril/triu, arange comparisons) are evaluated at compile time: a causal one
-becomes ``is_causal=True`` (bottom-right aligned, FlashAttention's ``causal_alignment="bottom_right"``, for
-the band of KV-cache decoding with Sq < Sk) and an all-visible one disappears. So are masks built by
-statements (in-place writes, also through views or in-place results, when every read comes after them) and
-from a template read for its shape only (``q.new_ones(S, S).tril()``) or cast with one (``m.type_as(q)``,
-``m.to(q)``: Meta's Llama reference); a graph input (a registered buffer) never is. A mask factor provably
-all True at any size (transformers' and_mask starts from ``q_idx.new_ones((), dtype=torch.bool)``, symbolic
-under dynamic shapes) masks nothing and is dropped (_constant_truth). q and k cast up to fp32 for the
-scores of half-precision attention (GPT-J), with the probabilities cast back to v's dtype, are taken before
-their casts (_strip_score_upcasts).
+(an additive value at or below -1e4 counting as masked, as a filled one does: flash-attn's ``s +
+triu(full((S, S), -10000), 1)``, _Masks.constant_keep) becomes ``is_causal=True`` (bottom-right aligned,
+FlashAttention's ``causal_alignment="bottom_right"``, for the band of KV-cache decoding with Sq < Sk) and
+an all-visible one disappears. So are masks built by statements (in-place writes, also through views or
+in-place results, when every read comes after them) and from a template read for its shape only
+(``q.new_ones(S, S).tril()``) or cast with one (``m.type_as(q)``, ``m.to(q)``: Meta's Llama reference); a
+graph input (a registered buffer) never is. A mask factor provably all True at any size (transformers'
+and_mask starts from ``q_idx.new_ones((), dtype=torch.bool)``, symbolic under dynamic shapes) masks nothing
+and is dropped (_constant_truth). q and k cast up to fp32 for the scores of half-precision attention
+(GPT-J), with the probabilities cast back to v's dtype, are taken before their casts (_strip_score_upcasts).
 
 Under autocast (around the compiled call or a region inside it) q·kᵀ, ·v and SDPA compute in the autocast
 dtype from fp32 (or mixed) operands, which they cast: the op gets q, k, v (and SDPA's float attn_mask,
@@ -43,10 +44,13 @@ leading (batch, head) dims and keep the last two: bmm on (B·H, S, D) viewed to 
 and back (BART / fairseq / CLIP before the attention interface, Bloom, GPT-NeoX's ``baddbmm(...).view``),
 4-d scores merged to (B·H, S, S) for the softmax, Swin's 5-d per-window mask view. The op then runs in
 the first 4-d layout seen, with q, k, v and masks reshaped into it. A reshape that touches the last two
-dims is a near miss. q·kᵀ over more than two batch dims (Hiera's (B, heads, windows, S, D) mask units)
-runs as (B, heads·windows, S, D) (_Layout._merge). In-place updates of fresh tensors
-(``scores.masked_fill_``, ``scores += mask``, ``q *= scaling``) are made functional first when that keeps
-their dtype.
+dims is a near miss, but for a split of the query and of the key dim into factors with only bias terms added
+before the merge back (SAM / ViTDet's decomposed relative positions, ``(s.view(B, q_h, q_w, k_h, k_w) +
+rel_h[..., None] + rel_w[..., None, :]).view(B, q_h·q_w, k_h·k_w)``): the terms' sum, merged to
+(.., Sq, Sk), is an additive mask (_split_score_bias). q·kᵀ over more than two batch dims (Hiera's (B,
+heads, windows, S, D) mask units) runs as (B, heads·windows, S, D) (_Layout._merge). In-place updates of
+fresh tensors (``scores.masked_fill_``, ``scores += mask``, ``q *= scaling``) are made functional first when
+that keeps their dtype.
 """
 
 from __future__ import annotations
@@ -512,6 +516,9 @@ class _Masks:
         # by (_multiplicative_mask): visible where 1. Compile-time checks read them as bool (x.to(bool));
         # the op gets b != 0.
         self.zero_one: set[Node] = set()
+        # A finite additive value (above _ADDITIVE_MASKED) that build took as -inf to fold a constant band
+        # into causal (constant_keep), for the report; None when it took none.
+        self.assumed_masked: float | None = None
 
     def empty(self) -> bool:
         return not self.keeps and not self.additive
@@ -544,9 +551,17 @@ class _Masks:
         return torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None).to(
             self.casts[node])
 
-    def constant_keep(self, sq: int, sk: int) -> torch.Tensor | None:
-        """The visible-key pattern when every mask is a compile-time constant (else None)."""
-        keep = None
+    def constant_keep(self, sq: int, sk: int) -> tuple[torch.Tensor | None, float | None]:
+        """(the visible-key pattern, or None unless every mask is a compile-time constant; the largest finite
+        additive value taken as masked that is above _ADDITIVE_MASKED, or None).
+
+        An additive value counts as masked at or below _MASKED_VALUE, the policy of a finite masked_fill
+        (flash-attn's SelfAttention adds ``triu(full((S, S), -10000), 1)`` where Megatron fills -10000;
+        review s31 M4): the band then folds into is_causal as a -inf one does. On the causal band, the only
+        pattern build folds besides all-visible, every row keeps a key, so that band and -inf differ by
+        terms of exp(s_masked - 1e4 - row max): 0 in float32 unless the scores of a row differ by about 1e4,
+        the same assumption as the fills'. A pattern build does not fold keeps the mask's own values."""
+        keep, assumed = None, None
         try:
             for node, negate in self.keeps:
                 k = _const_eval(node).to(torch.bool)
@@ -556,15 +571,18 @@ class _Masks:
                 m = self.value(node, _const_eval(node))
                 m = -m if node in self.negated else m
                 visible = m == 0
-                masked = m <= _ADDITIVE_MASKED
+                masked = m <= _MASKED_VALUE
                 if not bool((visible | masked).all()):
-                    return None  # a real bias, not a mask
+                    return None, None  # a real bias, not a mask
+                finite = m[masked & (m > _ADDITIVE_MASKED)]
+                if finite.numel():
+                    assumed = max(float(finite.max()), assumed if assumed is not None else -math.inf)
                 keep = visible if keep is None else keep & visible
         except Exception:  # noqa: BLE001 - not constant
-            return None
+            return None, None
         if keep is None or keep.shape[-2:] not in ((sq, sk), (1, sk), (sq, 1), (1, 1)):
-            return None
-        return keep.broadcast_to(keep.shape[:-2] + (sq, sk)).cpu()
+            return None, None
+        return keep.broadcast_to(keep.shape[:-2] + (sq, sk)).cpu(), assumed
 
     def constant_dead_row(self, sq, sk) -> Node | None:
         """A mask whose compile-time constant part leaves a query row with no visible key (a causal band
@@ -720,12 +738,13 @@ class _Masks:
         key, j <= i + Sk - Sq: KV-cache decoding, chunked prefill), see _mask_kwargs."""
         if self.empty():
             return None, False
-        keep = self.constant_keep(sq, sk)
+        keep, assumed = self.constant_keep(sq, sk)
         if keep is not None:
             if bool(keep.all()):
                 return None, False
             causal = _causal_kind(keep)
             if causal:
+                self.assumed_masked = assumed
                 return None, causal
         causal = False
         keep_node = None
@@ -1451,6 +1470,9 @@ class _Candidate:
         # A -inf fill: on such rows eager's softmax gives NaN and the op 0 (its documented semantics for
         # fully masked rows). Reported where a mask stays (a causal band folded into is_causal has none).
         self.inf_fill = False
+        # (split shape, number of terms) of each bias added to the scores viewed with their query / key dims
+        # split (_split_score_bias), for the report
+        self.split_biases: list[tuple[tuple, int]] = []
 
     def fold(self, factor):
         if isinstance(factor, tuple):
@@ -1879,6 +1901,189 @@ def _multiplicative_keep(cand: _Candidate, node: Node, form) -> tuple[Node, Node
     return scores, mask, fill
 
 
+def _plain_add(node) -> tuple | None:
+    """The operands of ``a + b`` (operator.add, torch.add, Tensor.add; functionalize_in_place has turned
+    ``+=`` and ``add_`` on the fresh split scores into these), with no alpha or out, else None."""
+    if op_name(node) != "add" or _operands(node) is None:
+        return None
+    extra = {k: v for k, v in _extra_kwargs(node).items() if v is not None and not (k == "alpha" and v == 1)}
+    return None if extra else _operands(node)
+
+
+def _reshapes_of(node, shape, depth: int = 4) -> tuple[Node, list[Node]] | None:
+    """(source, the reshapes from node down) when node is one or a few row-major reshapes (_RESHAPES, each
+    read only by the next, none reinterpreting the dtype) of a tensor of the given shape, else None."""
+    views: list[Node] = []
+    while op_name(node) in _RESHAPES and node.args and isinstance(node.args[0], Node) and len(views) < depth:
+        source = node.args[0]
+        if _dtype(source) != _dtype(node) or views and len(node.users) != 1:
+            return None
+        views.append(node)
+        if _same_dims(_shape(source) or (), shape):
+            return source, views
+        node = source
+    return None
+
+
+def _leads_to_split(node, scores_shape, depth: int = 16) -> bool:
+    """Whether node is, through plain additions, reshapes of a tensor of the scores' shape: the scores' side
+    of each addition between a split and its merge (_split_score_bias)."""
+    if not isinstance(node, Node) or depth == 0:
+        return False
+    if _reshapes_of(node, scores_shape) is not None:
+        return True
+    pair = _plain_add(node)
+    return pair is not None and any(_leads_to_split(a, scores_shape, depth - 1) for a in pair)
+
+
+def _query_key_factors(split_shape, scores_shape) -> int | None:
+    """How many of the split dims after the scores' leading dims are query factors (their product Sq, the
+    rest's Sk), or None when the split changes the leading dims or mixes query and key positions."""
+    lead = len(scores_shape) - 2
+    if len(split_shape) < lead + 2 or not _same_dims(split_shape[:lead], scores_shape[:lead]):
+        return None
+    sq, sk = scores_shape[-2:]
+    factors = split_shape[lead:]
+    try:  # on the example's sizes first, so that only the split taken adds guards
+        hinted, hq, hk = [_hint(d) for d in factors], _hint(sq), _hint(sk)
+    except _Skip:
+        return None
+    for n in range(len(factors) + 1):
+        if _prod(hinted[:n]) == hq and _prod(hinted[n:]) == hk:
+            ok = _holds(_prod(factors[:n]) == sq) and _holds(_prod(factors[n:]) == sk)
+            return n if ok else None
+    return None
+
+
+def _split_score_bias(cand: _Candidate, merge: Node, refused: _Skip) -> tuple[Node, Node]:
+    """SAM / ViTDet / MViTv2's decomposed relative positions: the scores s (..., Sq, Sk) viewed with Sq and Sk
+    split into factors, bias terms added that broadcast to that shape, and merged back::
+
+        attn = (attn.view(B, q_h, q_w, k_h, k_w) + rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]
+                ).view(B, q_h * q_w, k_h * k_w)
+
+    merge(split(s) + b1 + ... + bn) is s + merge(expand(b1 + ... + bn)): a row-major view or reshape is a
+    fixed bijection of the logical indices, whatever the strides (a reshape that copies gives the same
+    values), the same for both summands of same-shaped tensors, and a merge back to s's own shape inverts
+    the split. So the terms' sum, expanded to the split shape and merged to (..., Sq, Sk), is an additive
+    mask the op takes, with its gradient (SAM's terms depend on q and on the learned tables rel_pos_h /
+    rel_pos_w). Only the terms' sum rounds differently from eager's additions onto the scores one by one,
+    as two additive masks summed by _Masks.build do.
+
+    Taken only when it is provably that: the split keeps the scores' leading dims and splits Sq and Sk each
+    into factors of its own (the bias is then a function of the query and the key position); each step
+    between the split and the merge is an addition (operands either way round, no alpha) of a tensor in the
+    scores' dtype that keeps the split shape (each term broadcasts to it without enlarging it); the merge
+    gives s's shape back; no intermediate has another reader. Split and merge may each be a few reshapes.
+    Anything else raises with its reason; a reshape with no addition under it raises `refused`
+    (_check_leading_reshape's reason). Returns (the innermost split view, s). The mask is inserted into the
+    graph now, for the mask checks that follow, and erased with the rest of the attempt if it is refused
+    later (_rewrite_softmax)."""
+    merges = [merge]
+    while merges[-1].args and op_name(merges[-1].args[0]) in _RESHAPES and merges[-1].args[0].args \
+            and _dtype(merges[-1].args[0]) == _dtype(merge):
+        merges.append(merges[-1].args[0])
+    inner = merges[-1].args[0]
+    if _plain_add(inner) is None or _dtype(inner) != _dtype(merge) or _shape(merge) is None:
+        raise refused
+    scores_shape, split_shape = _shape(merge), _shape(inner)
+    adds, terms = [], []
+    x, consumer = inner, merges[-1]
+    for node, reader in zip(merges[1:], merges, strict=False):
+        if set(node.users) != {reader}:
+            raise _Skip(f"intermediate '{node.name}' has other users")
+    while True:
+        others = [u.name for u in x.users if u is not consumer]
+        if others:
+            raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
+        pair = _plain_add(x)
+        if pair is None:
+            break
+        sides = [_leads_to_split(a, scores_shape) for a in pair]
+        if all(sides):
+            raise _Skip(f"cannot tell the split scores from the bias in '{x.name}'")
+        if not any(sides):  # the scores reach these additions through another step: name it
+            while pair is not None:
+                reaching = [a for a in pair if _reaches_matmul(a)]
+                if len(reaching) != 1:
+                    raise _Skip(f"cannot tell the split scores from the bias in '{x.name}'")
+                x = reaching[0]
+                pair = _plain_add(x)
+            break
+        scores, term = pair if sides[0] else pair[::-1]
+        if not isinstance(term, Node) or tensor_meta(term) is None:
+            raise _Skip(f"'{x.name}' adds {term} to the split scores: only tensor bias terms are taken")
+        # (each sum keeps its scores operand's shape and dtype, so all keep the split view's)
+        if not _same_dims(_shape(x) or (), _shape(scores) or ()):
+            raise _Skip(f"the bias term '{term.name}' {list(_shape(term) or [])} of '{x.name}' does not "
+                        f"broadcast to the split scores {list(_shape(scores) or [])} without enlarging them")
+        if not (_dtype(term) == _dtype(x) == _dtype(scores)):
+            raise _Skip(f"the bias term '{term.name}' ({_dtype(term)}) of '{x.name}' is not in the split "
+                        f"scores' dtype ({_dtype(scores)})")
+        adds.append(x)
+        terms.insert(0, term)  # innermost first: the order eager adds them in
+        consumer, x = x, scores
+    found = _reshapes_of(x, scores_shape)
+    if found is None and op_name(x) in _RESHAPES:
+        raise _Skip(f"'{merge.name}' merges the scores split by '{x.name}' into {list(scores_shape)}, a "
+                    "shape they do not have under the split: only a merge that gives the scores' own shape "
+                    "back is seen through")
+    if found is None:
+        raise _Skip(f"the scores reach '{merge.name}', which merges their split query / key dims back, "
+                    f"through '{x.name}' ({op_name(x) or x.target}): between the split and the merge only "
+                    "additions of bias terms are seen through")
+    scores, splits = found
+    n_query = _query_key_factors(split_shape, scores_shape)
+    if n_query is None:
+        raise _Skip(f"'{splits[0].name}' views the scores {list(scores_shape)} as {list(split_shape)}: not a "
+                    "split of the query and of the key dim each into factors of its own, the leading dims "
+                    "kept")
+    cand.chain.extend([*merges[1:], *adds, *splits])
+    mask = _merged_bias(merge.graph, terms, split_shape, n_query, len(scores_shape) - 2, merge)
+    cand.masks.additive.append(mask)
+    cand.masks.stages[mask] = scores_shape
+    cand.split_biases.append((split_shape, len(terms)))
+    return splits[-1], scores
+
+
+def _merged_bias(graph: Graph, terms: list[Node], split_shape, n_query: int, n_lead: int, like: Node) -> Node:
+    """The bias terms of _split_score_bias summed, expanded where a group of query (key) factors is broadcast
+    over some of them only, and merged to (..., Sq or 1, Sk or 1). Its leading dims stay the terms' own
+    (broadcast ones too): a bias with no batch dim reaches the op without one."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = insert_call(graph, torch.add, (total, term), like=like)
+    groups = len(split_shape) - n_lead  # the query and the key factors
+    while _shape(total) is not None and len(_shape(total)) < groups:
+        total = insert_call(graph, torch.unsqueeze, (total, 0), like=like)
+    shape = _shape(total)
+    if shape is None:
+        raise _Skip("the bias terms' sum has no shape information")
+    first = len(shape) - groups  # where the query factors start in the sum
+    sizes: list = [-1] * len(shape)
+    for lo, hi in ((first, first + n_query), (first + n_query, len(shape))):
+        if all(_holds(d == 1) for d in shape[lo:hi]):
+            continue  # the whole group broadcast: one value for every query (key) position
+        for i in range(lo, hi):
+            target = split_shape[i - first + n_lead]
+            if _holds(shape[i] == target):
+                continue
+            if not isinstance(target, int):
+                raise _Skip(f"a bias term of the split scores {list(split_shape)} is broadcast over some of "
+                            "the query or key factors only; expanding it needs static sizes")
+            sizes[i] = target
+    if any(s != -1 for s in sizes):
+        total = insert_call(graph, torch.Tensor.expand, (total, tuple(sizes)), like=like)
+    key_at, n_key = first + n_query, groups - n_query
+    if n_key != 1:  # none (Sk = 1): a dim of 1; several: merged row-major, as the merge does
+        total = insert_call(graph, torch.unsqueeze, (total, key_at), like=like) if n_key == 0 else \
+            insert_call(graph, torch.flatten, (total, key_at, key_at + n_key - 1), like=like)
+    if n_query != 1:
+        total = insert_call(graph, torch.unsqueeze, (total, first), like=like) if n_query == 0 else \
+            insert_call(graph, torch.flatten, (total, first, first + n_query - 1), like=like)
+    return total
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts. softmax_nodes: the
     nodes of a written-out softmax, which read its input (the row max and the shift)."""
@@ -1912,7 +2117,14 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             consumer, x = x, x.args[0]
             continue
         if name in _RESHAPES and isinstance(x.args[0], Node):
-            _check_leading_reshape(x, "scores")
+            try:
+                _check_leading_reshape(x, "scores")
+            except _Skip as refused:
+                # unless it merges back a split of the query / key dims that bias terms were added to
+                split, scores = _split_score_bias(cand, x, refused)
+                steps.append(("add", cand.masks.additive[-1]))
+                consumer, x = split, scores
+                continue
             cand.score_views.insert(0, x)
             consumer, x = x, x.args[0]
             continue
@@ -2684,7 +2896,20 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     """softmax: an F.softmax / torch.softmax / .softmax call, the division (or multiplication by the
     reciprocal) ending a softmax written out (``exp(..) / ..``, ``exp(..) * (1 / ..)``, see
     _written_out_softmax), exp of a log_softmax (_log_softmax_of) or ``exp(s - logsumexp(s))``
-    (_logsumexp_softmax), which then stands for the softmax node throughout."""
+    (_logsumexp_softmax), which then stands for the softmax node throughout.
+
+    The walk may insert nodes before it decides (a split bias's mask, _split_score_bias): a refused attempt
+    erases them, and a rewrite places them as it places its own (_settle)."""
+    entry = set(graph.nodes)
+    try:
+        _rewrite_softmax_from(graph, softmax, entry)
+    except Exception:
+        _roll_back(graph, entry)
+        raise
+
+
+def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
+    """_rewrite_softmax, on a graph whose nodes before the attempt are entry."""
     parts = _written_out_parts(softmax) if op_name(softmax) in ("div", "mul") else None
     written_out = parts is not None
     log_softmax = None if written_out else _log_softmax_of(softmax)
@@ -2850,7 +3075,7 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
 
     from flash_backend.ops.attention import flash_attention
 
-    before = set(graph.nodes)
+    before = entry  # what the walk inserted is new too: _settle moves it before the anchor
     try:
         # (autocast's casts: an un-repeated k or v is cast before it is handed to the op)
         q_node, k_node, v_node = (
@@ -2898,8 +3123,13 @@ def _rewrite_softmax(graph: Graph, softmax: Node):
     ]
     if is_causal:
         details.append(_causal_detail(is_causal))
+    if cand.masks.assumed_masked is not None:
+        details.append(f"additive {cand.masks.assumed_masked:.3g} taken as -inf")
     if mask is not None:
         details.append(f"mask {list(_shape(mask) or [])}")
+    for split_shape, n_terms in cand.split_biases:
+        details.append(f"{n_terms} bias term{'s' if n_terms > 1 else ''} added to the scores split as "
+                       f"{list(split_shape)}")
     if isinstance(cand.dropout_p, Node) or cand.dropout_p:
         details.append(f"dropout={cand.dropout_p}")
     if enable_gqa:
@@ -3258,7 +3488,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
     details = (["causal bottom-right, from attn_mask"] if causal_from_mask == BOTTOM_RIGHT else []) + (
-        ["gqa: k/v un-repeated"] if unrepeated else [])
+        [f"causal from attn_mask, {masks.assumed_masked:.3g} taken as -inf"]
+        if masks.assumed_masked is not None else []) + (["gqa: k/v un-repeated"] if unrepeated else [])
     record_rewrite(FAMILY, variant,
                    f"flash_attention({', '.join(details)})" if details else "flash_attention", out)
 
@@ -3375,9 +3606,11 @@ def _rewrite_mha(graph: Graph, node: Node):
     for user in list(node.users):
         user.replace_all_uses_with(out)
     _erase_dead(graph, [node, *node.users])
+    details = (["causal bottom-right, from attn_mask"] if causal == BOTTOM_RIGHT else []) + (
+        [f"causal from attn_mask, {masks.assumed_masked:.3g} taken as -inf"]
+        if masks.assumed_masked is not None else [])
     record_rewrite(FAMILY, "nn.MultiheadAttention (F.multi_head_attention_forward)",
-                   "flash_attention(causal bottom-right, from attn_mask)" if causal == BOTTOM_RIGHT
-                   else "flash_attention", out)
+                   f"flash_attention({', '.join(details)})" if details else "flash_attention", out)
 
 
 def rewrite(graph: torch.fx.Graph) -> None:

@@ -19,13 +19,15 @@ Findings (tests/findings/codebase_review_s31.md):
 - W1, pinned by a strict xfail: flash-attn's CrossAttention (its GQA MHA path) with causal and a key padding
   mask leaves the first Sq - sk query rows of a padded sequence with no key; the rewrite takes the -10000
   fill as -inf (and says so) and gives 0 there, eager the average of v. Every other row is eager's.
-- M1, pinned by a strict xfail: SAM / ViTDet's decomposed relative position bias splits the scores' query and
-  key dims: the attention is left alone (reported).
+- M1, FIXED (fx_passes/attention.py, _split_score_bias): SAM / ViTDet's decomposed relative position bias is
+  added to the scores viewed with their query and key dims split; the terms' sum, merged to (.., Sq, Sk), is
+  the op's additive mask now (its gradient reaches q and the tables rel_pos_h / rel_pos_w).
 - M2, FIXED (fx_passes/norm.py, _through_row_views): OpenFold's column attention normalises the transposed
   residual sum; the add was left beside a plain LayerNorm. A dropout / residual add reaching the norm through
   views that move rows whole (transpose / permute of the dims before the last, contiguous) is folded now, the
   op's output permuted as eager's input was.
-- M3 (GEGLU no candidate), M4 (an additive triu(-10000) kept as an (S, S) mask, not causal): noted.
+- M3 (GEGLU no candidate): noted. M4, FIXED (fx_passes/attention.py, _Masks.constant_keep): an additive
+  triu(-10000) band folds into causal, as a masked_fill of -10000 does.
 """
 
 from __future__ import annotations
@@ -1783,7 +1785,6 @@ def _ids():
 
 
 LEFT_ALONE_5D = ("attention", "operands are 5-d")  # tests/findings/zoo_review_s31.md F4 (Hiera)
-SCORES_SPLIT = ("attention", "never of the last two (query, key) dims")  # findings M1
 CHANNELS_FIRST = ("norm", "reduces over dim 1 of a 4-d tensor")  # by design (session 25)
 ROWS_PERMUTED_ADD = "residual add (rows permuted) + F.layer_norm (pre-norm, returns the residual)"
 R = torch.randn
@@ -1811,10 +1812,14 @@ CASES = {
                                    dict(attention=3, norm=9, dense=3), words=["logit_scale (on q)"]),
     # LayerNorm2d x 3 (stem, downsampling, classifier) + the blocks' channels-last LayerNorm x 2
     "torchvision_convnext": _case(lambda: (TVConvNeXt(), (R(2, 3, 20, 20),)), dict(norm=5, dense=2)),
-    # the decomposed relative positions split the scores' query and key dims: left alone (finding M1); the
-    # neck's channels-first LayerNorm2d: reported, by design
-    "sam_image_encoder": _case(lambda: (SAMImageEncoder(), (R(2, 3, 20, 20),)), dict(norm=4, dense=2),
-                               (SCORES_SPLIT, SCORES_SPLIT, CHANNELS_FIRST, CHANNELS_FIRST)),
+    # windowed (4 windows of 3 x 3 per image) and global (5 x 5) attention, the decomposed relative
+    # positions added to the scores split (B·heads, q_h, q_w, k_h, k_w) as the op's mask (finding M1,
+    # fixed); the neck's channels-first LayerNorm2d: reported, by design
+    "sam_image_encoder": _case(
+        lambda: (SAMImageEncoder(), (R(2, 3, 20, 20),)), dict(attention=2, norm=4, dense=2),
+        (CHANNELS_FIRST, CHANNELS_FIRST),
+        ["mask [24, 9, 9], 2 bias terms added to the scores split as [24, 3, 3, 3, 3]",
+         "mask [6, 25, 25], 2 bias terms added to the scores split as [6, 5, 5, 5, 5]"]),
     # 3 attentions per layer (the cross ones downsampled to head_dim 8) + the final one; 4 add + norm per
     # layer + the final one; ReLU MLPs
     "sam_two_way_transformer": _case(
@@ -1852,9 +1857,10 @@ CASES = {
     # latents (5) attend to the inputs (11, key mask), then to themselves; PreNorm on latents and context
     "perceiver": _case(lambda: (Perceiver(), (R(2, 11, 12), _labels(2), _keep(2, 11))),
                        dict(attention=2, norm=6, cross_entropy=1), words=["scale=0.25, mask [2, 1, 11]"]),
-    # the causal triu(-10000) is an additive mask (not -inf: kept as eager adds it)
+    # the additive causal triu(-10000) folds into causal, as a -10000 fill does (finding M4, fixed)
     "flash_attn_gpt": _case(lambda: (FlashAttnGPT(), (_ids(), _ids())),
-                            dict(attention=2, norm=5, dense=2, cross_entropy=1), words=["mask [11, 11]"]),
+                            dict(attention=2, norm=5, dense=2, cross_entropy=1),
+                            words=["causal, additive -1e+04 taken as -inf)"]),
     "flash_attn_gpt_residual_in_fp32": _case(lambda: (FlashAttnGPT(residual_in_fp32=True), (_ids(), _ids())),
                                              dict(attention=2, norm=5, dense=2, cross_entropy=1)),
     "flash_attn_mha_key_padding": _case(lambda: (FlashAttnMHA(24, 3), (R(2, 9, 24), _keep(2, 9))),
@@ -2026,12 +2032,12 @@ def test_norm_of_a_view_that_cannot_fold_the_sum_stays_plain(fn, shape):
 # ========================================================================================================
 
 
-@pytest.mark.xfail(strict=True, reason="tests/findings/codebase_review_s31.md M1: SAM / ViTDet's "
-                   "decomposed relative position bias is added to the scores viewed (B, q_h, q_w, k_h, "
-                   "k_w); the pass sees through no split of the query / key dims and leaves the attention "
-                   "alone")
 def test_sam_decomposed_rel_pos_attention_is_rewritten():
-    _check_block(SAMAttention(24, 3, (3, 5)), (R(2, 3, 5, 24),), dict(attention=1))
+    """tests/findings/codebase_review_s31.md M1 (fixed): the bias added to the scores viewed (B, q_h, q_w,
+    k_h, k_w) is the op's mask; the gradients of the qkv projection and of rel_pos_h / rel_pos_w are eager's.
+    More forms and the refusals: tests/test_attention_pass_s32.py."""
+    report = _check_block(SAMAttention(24, 3, (3, 5)), (R(2, 3, 5, 24),), dict(attention=1))
+    assert "mask [6, 15, 15], 2 bias terms added to the scores split as [6, 3, 5, 3, 5]" in str(report)
 
 
 def _rows_with_no_key(keep, seqlen_q):
