@@ -85,7 +85,11 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
-from fx_passes._compat import float_input_symbols, restart_with_specialised_floats
+from fx_passes._compat import (
+    float_input_symbols,
+    restart_with_specialised_floats,
+    stable_topological_sort,
+)
 from fx_passes._match import (
     arg,
     binary_other,
@@ -753,5 +757,9 @@ def rewrite(graph: torch.fx.Graph) -> None:
         # dynamic=True made a float the GELU reads (math.pi) a graph input and a rewrite baked its value in:
         # restart dynamo's analysis with it a constant, as the norm pass does; the decisions of this run are
         # not counted (fx_passes/_report.py: committed_only).
+        # Dynamo throws this graph away on the restart, erasing it last node first, which fails on a node
+        # still read by one placed before it: the op calls this pass and those before it inserted after
+        # their inputs, ahead of run_passes' final sort (review s32: Phi-1.5 under dynamic=True crashed).
+        stable_topological_sort(graph)
         restart_with_specialised_floats(_float_inputs_to_specialise)
 

@@ -84,7 +84,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fx_passes._compat import restart_with_specialised_floats
+from fx_passes._compat import restart_with_specialised_floats, stable_topological_sort
 from fx_passes._match import (
     arg,
     binary_operands,
@@ -1225,7 +1225,7 @@ def _plan(fn, core: _Core, inputs: _Inputs, end: torch.fx.Node):
         res, hv = result[1], tensor_meta(h)
         if res.dtype != hv.dtype or not _same_shape(res, hv):
             raise _Miss(f"the residual output would be {res.dtype}, eager's sum is {hv.dtype}")
-    _check_not_written(pattern, end)
+    _check_not_written(pattern, end, args)
     _check_saved_not_written(pattern, args, kwargs, h if return_residual else None, core)
     return args, kwargs, return_residual, pattern
 
@@ -1244,14 +1244,31 @@ def _check_rounding_kept(tail, end: torch.fx.Node) -> None:
                         f"{want.dtype} after it: the fused op would not round it there")
 
 
-def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node) -> None:
+def _check_not_written(pattern: set[torch.fx.Node], end: torch.fx.Node, op_inputs: tuple) -> None:
     """No tensor the pattern reads is written in place outside it before it ends: dynamo's graph can read a
-    tensor by the same node before and after ``x.mul_(3)``, and then no single value is normalised."""
+    tensor by the same node before and after ``x.mul_(3)``, and then no single value is normalised.
+
+    Except a write that runs before every node of the pattern that reads the tensor, and before the op's
+    place (insert_call: right after its last input): eager's pattern and the op then both read the written
+    value. fairseq's wav2vec 2.0 encoder zeroes the padded frames in place (``x[padding_mask] = 0``), then
+    reads x again for its positional conv and for ``x + x_conv`` before the LayerNorm (review s32: a near
+    miss). A tensor the pattern computes itself is never such an input: the op computes it unwritten."""
     found = written_before_end(pattern, end)
-    if found is not None:
-        node, writer = found
-        raise _Miss(f"{node.name} is written in place by {writer.name} ({op_name(writer)}) before the norm "
-                    "ends: what it reads depends on where it runs")
+    if found is None:
+        return
+    order = {n: i for i, n in enumerate(end.graph.nodes)}
+    inputs = [a for a in op_inputs if isinstance(a, torch.fx.Node)]
+    place = max((order[a] for a in inputs), default=-1)
+    reads = {a for n in pattern for a in n.all_input_nodes} - pattern
+    for node in sorted(reads | pattern, key=order.__getitem__):
+        readers = [order[n] for n in pattern if node in n.all_input_nodes]
+        for writer in in_place_writers(node, pattern):
+            if not order[node] < order[writer] < order[end]:
+                continue
+            if node in reads and readers and order[writer] < min(readers) and order[writer] < place:
+                continue  # every read, the op's included, comes after the write
+            raise _Miss(f"{node.name} is written in place by {writer.name} ({op_name(writer)}) before the "
+                        "norm ends: what it reads depends on where it runs")
 
 
 def _check_saved_not_written(pattern: set[torch.fx.Node], args: tuple, kwargs: dict,
@@ -1413,6 +1430,10 @@ def rewrite(graph: torch.fx.Graph) -> None:
         # dynamic=True made a module float (eps, dropout p) a graph input, and the rewrite baked its
         # value in. Inductor would specialise it anyway and restart dynamo's analysis, running this pass
         # a second time; restarting now, with the floats marked as constants, keeps the counts honest.
+        # Dynamo throws this graph away on the restart, erasing it last node first, which fails on a node
+        # still read by one placed before it: the op calls this pass and those before it inserted after
+        # their inputs, ahead of run_passes' final sort (review s32: Phi-1.5 under dynamic=True crashed).
+        stable_topological_sort(graph)
         restart_with_specialised_floats(_float_inputs_to_specialise)
     for record, args in decisions:
         record(*args)
