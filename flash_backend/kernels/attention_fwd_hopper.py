@@ -82,7 +82,9 @@ MIN_SEQ_Q_CAUSAL_64 = 2048
 # 8,16,4096, 2,16,8192), twice (bench/logs/attention_gluon_fwd_fma_softmax_s29_h200.log, _shipped_s29_h200
 # .log). Non-causal it lost while the last block's masking sat inside the key loop (ptxas made it selects on
 # every block: head_dim 64 0.91-0.93x); with that block peeled (session 32, _consumer_blocks) it gains
-# 1.06-1.11x at head_dim 64, 1.00-1.03x at 128, 1.02x at 256 (bench/logs/attention_fwd_peel_s32_h200.log).
+# 1.06-1.11x at head_dim 64, 1.00-1.03x at 128, 1.02x at 256 over the peeled kernel without it
+# (bench/logs/attention_fwd_peel_s32_h200.log; the shipped pair against the kernel before both:
+# attention_fwd_peel_raw_s32_h200.log).
 # A padding mask's forward keeps the scaled scores (routed_config): its loops keep their masking inside,
 # where RAW_SCORES measured slower.
 CONFIGS = {
