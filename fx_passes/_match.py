@@ -516,6 +516,45 @@ def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> to
     return item
 
 
+# Random ops (by name): one nobody reads still draws from the generator, and erasing it would shift what
+# every later random op draws. Matched as substrings (rand_like, randint, native_dropout, ...).
+_RANDOM_NAMES = ("rand", "bernoulli", "normal", "multinomial", "poisson", "dropout", "exponential", "cauchy",
+                 "geometric", "uniform", "random")
+# Tensor methods that act on something besides their result although spelled without a trailing underscore.
+_ACTING_METHODS = frozenset({"retain_grad", "register_hook", "register_post_accumulate_grad_hook",
+                             "backward", "record_stream", "share_memory_"})
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """node only computes a tensor: a torch function or Tensor method (a user function, a custom op or a
+    higher-order op may do anything), not writing in place or into ``out=``, not random, not changing the
+    grad mode or autocast state. Narrow on purpose: a node taken for pure wrongly is erased."""
+    if node.op not in ("call_function", "call_method") or not isinstance(val(node), torch.Tensor):
+        return False
+    if is_in_place(node) or node.kwargs.get("out") is not None or _changes_state(node):
+        return False
+    if node.op == "call_method":
+        if not hasattr(torch.Tensor, node.target) or node.target in _ACTING_METHODS:
+            return False
+    elif op_name(node) is None or node.is_impure():
+        return False
+    name = str(op_name(node) or node.target)
+    return not any(r in name for r in _RANDOM_NAMES)
+
+
+def erase_dead_code(graph: torch.fx.Graph) -> None:
+    """Erase the pure nodes (_pure) whose result nobody reads, and those only they read.
+
+    Dynamo keeps a value a module computes and drops (openai/whisper's ``qk.detach()``, returned by
+    qkv_attention and dropped by its block) as a node without users; read as another user of an
+    intermediate, it blocked the fusion of the pattern around it (review s32, A2). Such a node reads
+    nothing for anyone, and Inductor erases it anyway. In-place, random and other acting nodes stay, and
+    count as users."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and _pure(node):
+            graph.erase_node(node)
+
+
 def erase_unused(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
     """Erase the matched nodes that no longer have users (latest first)."""
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -65,12 +65,14 @@ import torch.fx
 from torch.fx import Graph, Node
 
 from flash_backend import config as flash_config
+from fx_passes._compat import float_input_symbols, restart_with_specialised_floats, stable_topological_sort
 from fx_passes._functionalize import IN_PLACE_OPERATORS, functionalize_in_place
 from fx_passes._match import (
     _is_alias_of_arg0,
     arg,
     binary_operands,
     bound_arguments,
+    erase_dead_code,
     in_place_writers,
     insert_call,
     is_in_place,
@@ -3494,6 +3496,26 @@ def _rewrite_sdpa(graph: Graph, node: Node):
                    f"flash_attention({', '.join(details)})" if details else "flash_attention", out)
 
 
+# The symbols of dynamo's float inputs (zf0, ...) whose value a rewrite of this run baked in; see rewrite().
+_float_inputs_to_specialise: list = []
+
+
+def _mha_dropout_p(p) -> tuple[float, set | None]:
+    """MultiheadAttention's dropout_p in training, a number in [0, 1), and the float-input symbols it is
+    made of when dynamic=True made it a graph input (None for a number). Its value is baked into the op
+    call: those symbols are specialised (a guard, and dynamo's analysis restarted with them constants, as
+    the norm and dense passes do for the floats they bake in)."""
+    symbols = None
+    if isinstance(p, Node):
+        symbols = float_input_symbols(val(p))
+        if symbols is None:
+            raise _Skip("dropout_p is neither a number nor a float input (dropout_p in [0, 1))")
+        p = float(val(p))  # guards on its value
+    if not (is_number(p) and 0 <= p < 1):
+        raise _Skip(f"dropout_p={p} in training is not a number in [0, 1)")
+    return float(p), symbols
+
+
 def _rewrite_mha(graph: Graph, node: Node):
     """nn.MultiheadAttention (F.multi_head_attention_forward, (L, N, E) inputs) -> its in-projection,
     flash_attention over (N, H, L, D) and its out-projection: the same function, written out."""
@@ -3504,9 +3526,17 @@ def _rewrite_mha(graph: Graph, node: Node):
     if not all(isinstance(t, Node) and len(_shape(t) or ()) == 3 for t in (query, key, value)):
         raise _Skip("unbatched (2-d) or non-tensor query/key/value")
     unsupported = [name for name in ("bias_k", "bias_v", "static_k", "static_v") if a[name] is not None]
-    unsupported += [name for name in ("add_zero_attn", "use_separate_proj_weight") if a[name]]
-    if not isinstance(a["is_causal"], bool) or not isinstance(a["need_weights"], bool):
-        unsupported.append("a non-constant is_causal or need_weights")
+    unsupported += [name for name in ("add_zero_attn",) if a[name]]
+    flags = ("is_causal", "need_weights", "use_separate_proj_weight", "training")
+    if not all(isinstance(a[name], bool) for name in flags):
+        unsupported.append("a non-constant is_causal, need_weights, use_separate_proj_weight or training")
+    # fairseq's MultiheadAttention (and nn.MultiheadAttention with kdim / vdim) passes q, k and v's own
+    # projection weights, in_proj_bias the three biases concatenated: eager's _in_projection is then
+    # F.linear(x, w_x, b_x) for each, what the rewrite writes out below
+    separate = a["use_separate_proj_weight"] is True
+    projections = [a[f"{x}_proj_weight"] for x in "qkv"] if separate else [a["in_proj_weight"]]
+    if not all(isinstance(w, Node) and len(_shape(w) or ()) == 2 for w in projections):
+        unsupported.append("a projection weight that is not a 2-d tensor")
     if unsupported:
         raise _Skip(f"{', '.join(unsupported)} not supported by the rewrite")
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
@@ -3516,8 +3546,9 @@ def _rewrite_mha(graph: Graph, node: Node):
     src_len = _shape(key)[0]
     if not (isinstance(heads, int) and isinstance(embed, int) and _holds(width == embed)) or embed % heads:
         raise _Skip("num_heads or embed_dim is not a constant that divides the embedding")
-    if not isinstance(a["training"], bool) or not (is_number(a["dropout_p"]) and 0 <= a["dropout_p"] < 1):
-        raise _Skip("training or dropout_p is not a constant (dropout_p in [0, 1))")
+    # it drops only in training: in eval any p is eager's 0 (under dynamic=True the module's float is a
+    # symbolic input, specialised only where it matters)
+    dropout_p, p_symbols = (_mha_dropout_p(a["dropout_p"]) if a["training"] else (0.0, None))
     if tensor_meta(query).device.type == "cuda" and not a["need_weights"] and \
             not flash_config.route_sdpa_calls_on_cuda:
         raise _Skip("with need_weights=False MultiheadAttention runs SDPA's fused CUDA kernels, which "
@@ -3553,8 +3584,14 @@ def _rewrite_mha(graph: Graph, node: Node):
     def call(fn, args, kwargs=None):
         return insert_call(graph, fn, args, kwargs or {}, like=node)
 
+    def size(t, dim):
+        # a symbolic size (dynamic=True) as a node of the graph, as the softmax path passes them
+        d = _shape(t)[dim]
+        return d if isinstance(d, int) else call(torch.ops.aten.sym_size.int, (t, dim))
+
     try:
-        for mask, view in ((kpm, (batch, 1, 1, src_len)), (attn_mask, (batch, heads, length, src_len))):
+        n_query, n_batch, n_key = size(query, 0), size(query, 1), size(key, 0)
+        for mask, view in ((kpm, (n_batch, 1, 1, n_key)), (attn_mask, (n_batch, heads, n_query, n_key))):
             if mask is None:
                 continue
             if len(_shape(mask)) != 2 or mask is kpm:
@@ -3572,27 +3609,28 @@ def _rewrite_mha(graph: Graph, node: Node):
             raise _Skip(f"the constant mask '{dead.name}' leaves a query row with no visible key: eager "
                         "MultiheadAttention gives NaN (need_weights) or the average of v (finite fill) "
                         "there, the op 0")
-        weight, bias = a["in_proj_weight"], a["in_proj_bias"]
-        if key is query and value is query:
-            qkv = call(torch.nn.functional.linear, (query, weight, bias))
+        bias = a["in_proj_bias"]
+        if not separate and key is query and value is query:
+            qkv = call(torch.nn.functional.linear, (query, projections[0], bias))
             projected = [call(operator.getitem, (call(torch.chunk, (qkv, 3, -1)), i)) for i in range(3)]
         else:
-            weights = call(torch.chunk, (weight, 3))
+            if not separate:
+                chunks = call(torch.chunk, (projections[0], 3))
+                projections = [call(operator.getitem, (chunks, i)) for i in range(3)]
             biases = call(torch.chunk, (bias, 3)) if bias is not None else None
             projected = [call(torch.nn.functional.linear,
-                              (x, call(operator.getitem, (weights, i)),
-                               call(operator.getitem, (biases, i)) if biases is not None else None))
-                         for i, x in enumerate((query, key, value))]
+                              (x, w, call(operator.getitem, (biases, i)) if biases is not None else None))
+                         for i, (x, w) in enumerate(zip((query, key, value), projections, strict=True))]
         # (S, N, E) -> (N, H, S, D)
-        q, k, v = (call(torch.permute, (call(torch.reshape, (t, (s, batch, heads, head_dim))), (1, 2, 0, 3)))
-                   for t, s in zip(projected, (length, src_len, src_len), strict=True))
+        q, k, v = (call(torch.permute, (call(torch.reshape, (t, (n, n_batch, heads, head_dim))),
+                                        (1, 2, 0, 3)))
+                   for t, n in zip(projected, (n_query, n_key, n_key), strict=True))
         mask, causal = masks.build(graph, node, length, src_len)
         causal = causal or hinted_causal
         from flash_backend.ops.attention import flash_attention
 
-        dropout_p = float(a["dropout_p"]) if a["training"] else 0.0  # it drops only in training
         out = call(flash_attention, (q, k, v), {**_mask_kwargs(mask, causal), "dropout_p": dropout_p})
-        out = call(torch.reshape, (call(torch.permute, (out, (2, 0, 1, 3))), (length, batch, embed)))
+        out = call(torch.reshape, (call(torch.permute, (out, (2, 0, 1, 3))), (n_query, n_batch, embed)))
         out = call(torch.nn.functional.linear, (out, a["out_proj_weight"], a["out_proj_bias"]))
         want = tensor_meta(node.users and next(iter(node.users)))
         got = tensor_meta(out)
@@ -3606,6 +3644,8 @@ def _rewrite_mha(graph: Graph, node: Node):
     for user in list(node.users):
         user.replace_all_uses_with(out)
     _erase_dead(graph, [node, *node.users])
+    if p_symbols:
+        _float_inputs_to_specialise.extend(p_symbols)
     details = (["causal bottom-right, from attn_mask"] if causal == BOTTOM_RIGHT else []) + (
         [f"causal from attn_mask, {masks.assumed_masked:.3g} taken as -inf"]
         if masks.assumed_masked is not None else [])
@@ -3614,6 +3654,9 @@ def _rewrite_mha(graph: Graph, node: Node):
 
 
 def rewrite(graph: torch.fx.Graph) -> None:
+    _float_inputs_to_specialise.clear()
+    # A node nobody reads is no other user of the scores (whisper's dropped qk.detach(): review s32, A2)
+    erase_dead_code(graph)
     functionalize_in_place(graph)  # run_passes did it already; again when the family runs alone
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
@@ -3650,3 +3693,12 @@ def rewrite(graph: torch.fx.Graph) -> None:
         except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
             log.warning("attention pass: %s failed on %s", variant, node.name, exc_info=True)
             record_near_miss(FAMILY, variant, f"internal error {type(error).__name__}: {error}", node)
+    if _float_inputs_to_specialise:
+        # dynamic=True made a MultiheadAttention's dropout p (a module float) a graph input and a training
+        # rewrite baked its value in: restart dynamo's analysis with it a constant, as the norm and dense
+        # passes do; the decisions of this run are not counted (fx_passes/_report.py: committed_only).
+        # Dynamo throws this graph away on the restart, erasing it last node first, which fails on a node
+        # still read by one placed before it: the rewrites insert their calls after their inputs, ahead of
+        # run_passes' final sort (review s32, W1).
+        stable_topological_sort(graph)
+        restart_with_specialised_floats(_float_inputs_to_specialise)

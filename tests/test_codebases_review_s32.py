@@ -31,9 +31,9 @@ Findings (tests/findings/codebase_review_s32.md); no wrong result:
 - N1, FIXED (fx_passes/norm.py, _check_not_written): wav2vec 2.0's encoder LayerNorm of x + pos_conv(x), x
   zeroed in place at the padding before both reads, was refused; a write before every read of the tensor,
   the op's included, is folded now.
-- A1-A3 (fx_passes/attention.py, not edited here), strict xfails: fairseq's MultiheadAttention
-  (use_separate_proj_weight), whisper's manual attention (a dead qk.detach()), nn.MultiheadAttention under
-  dynamic=True (its dropout a symbolic input).
+- A1-A3, FIXED (fx_passes/attention.py _rewrite_mha, fx_passes/_match.py erase_dead_code): fairseq's
+  MultiheadAttention (use_separate_proj_weight), whisper's manual attention (a dead qk.detach()),
+  nn.MultiheadAttention under dynamic=True (its dropout a symbolic input).
 - N2 (a channels-first residual sum + LayerNorm2d, MetaFormer) and N3 (a broadcast position embedding added
   before a norm): not folded, noted.
 """
@@ -2497,9 +2497,6 @@ def _case(make, rewrites, near_misses=(), words=()):
     return make, rewrites, near_misses, words
 
 
-SEPARATE_PROJ = ("attention", "use_separate_proj_weight not supported")  # findings A1
-DEAD_DETACH = ("attention", "has other users")  # findings A2: whisper's qk.detach(), returned and dropped
-
 # name: (model and inputs, rewrites per family (the others 0), near misses (family, words of the reason),
 # words the report must hold). Every count was checked by reading the module.
 CASES = {
@@ -2539,20 +2536,21 @@ CASES = {
                        (("cross_entropy", "comes from interpolate"),)),
     # sequence-first nn.MultiheadAttention with need_weights left True (the weights unused): 2 encoder
     # self-attentions (key padding mask), 2 x (self + cross) in the decoder; post-norm add + norm x 2 per
-    # encoder layer, x 3 per decoder layer, the decoder's shared norm 3 times (each layer, then the final);
-    # loss_labels' class weights (empty_weight): reported
-    "detr": _case(lambda: (DetrTransformer(), _detr_inputs()), dict(attention=6, norm=13),
+    # encoder layer, x 3 per decoder layer, the decoder's shared norm twice (after the first layer, and the
+    # final; the last layer's intermediate norm is popped: dead, erased, findings A2); loss_labels' class
+    # weights (empty_weight): reported
+    "detr": _case(lambda: (DetrTransformer(), _detr_inputs()), dict(attention=6, norm=12),
                   (("cross_entropy", "class weights"),)),
     "detr_normalize_before": _case(lambda: (DetrTransformer(normalize_before=True), _detr_inputs()),
-                                   dict(attention=6, norm=14), (("cross_entropy", "class weights"),)),
+                                   dict(attention=6, norm=13), (("cross_entropy", "class weights"),)),
     # the sampling weights' softmax over a Linear output is no attention; post-norm add + norm x 2 per layer
     "deformable_detr_encoder": _case(lambda: (DeformableEncoder(), _deformable_inputs()), dict(norm=4)),
     # the manual path: q and k each scaled by d^-1/4, the -inf triu buffer, qk.float(); qk.detach() is
-    # returned and dropped by the block, and that dead node blocks every attention (findings A2). Norms
-    # (LayerNorm in fp32, cast back): 2 per encoder block, 3 per decoder block, ln_post and ln; the tied head
-    # x @ transpose(W.to(dtype), 0, 1) with the loss
-    "whisper": _case(lambda: (Whisper(), _whisper_inputs()), dict(norm=12, dense=4, cross_entropy=1),
-                     (DEAD_DETACH,) * 6),
+    # returned and dropped by the block: a dead node, no other user of the scores (findings A2, fixed).
+    # Norms (LayerNorm in fp32, cast back): 2 per encoder block, 3 per decoder block, ln_post and ln; the
+    # tied head x @ transpose(W.to(dtype), 0, 1) with the loss
+    "whisper": _case(lambda: (Whisper(), _whisper_inputs()),
+                     dict(attention=6, norm=12, dense=4, cross_entropy=1)),
     "whisper_sdpa": _case(lambda: (Whisper(use_sdpa=True), _whisper_inputs()),
                           dict(attention=6, norm=12, dense=4, cross_entropy=1),
                           words=["x @ w.t() -> float -> reshape -> F.cross_entropy"]),
@@ -2560,11 +2558,11 @@ CASES = {
     # the first conv ("default"); the features' LayerNorm; the encoder's LayerNorm of x + pos_conv(x), x
     # written in place before (x[padding_mask] = 0: findings N1, fixed); post-norm add + norm x 2 per layer;
     # fairseq's utils.gelu; attention through F.multi_head_attention_forward with separate projection
-    # weights: reported (findings A1)
-    "wav2vec2_layer_norm": _case(lambda: (Wav2Vec2(), _wav2vec2_inputs()), dict(norm=8, dense=2),
-                                 (SEPARATE_PROJ, SEPARATE_PROJ)),
-    "wav2vec2_default": _case(lambda: (Wav2Vec2(mode="default"), _wav2vec2_inputs()), dict(norm=6, dense=2),
-                              (SEPARATE_PROJ, SEPARATE_PROJ)),
+    # weights (findings A1, fixed)
+    "wav2vec2_layer_norm": _case(lambda: (Wav2Vec2(), _wav2vec2_inputs()),
+                                 dict(attention=2, norm=8, dense=2)),
+    "wav2vec2_default": _case(lambda: (Wav2Vec2(mode="default"), _wav2vec2_inputs()),
+                              dict(attention=2, norm=6, dense=2)),
     # one layer applied 3 times; norms: embeddings, 2 per depth with the sums, the MLM head's; gelu_new in
     # the FFN (x 3) and the MLM head; MLM and SOP losses
     "albert_shared_layers": _case(lambda: (AlbertForPreTraining(), _albert_inputs()),
@@ -2784,7 +2782,7 @@ def test_write_the_op_would_not_see_is_not_folded(make):
 
 
 # ========================================================================================================
-# Attention (fx_passes/attention.py, not edited in this review): the misses, pinned
+# Attention (fx_passes/attention.py): the misses A1-A3, fixed after the review
 # ========================================================================================================
 
 
@@ -2799,11 +2797,10 @@ class _SelfAttention(nn.Module):
         return self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
 
 
-@pytest.mark.xfail(strict=True, reason="findings A1: fairseq's MultiheadAttention calls "
-                   "F.multi_head_attention_forward with use_separate_proj_weight=True (q/k/v_proj weights): "
-                   "reported 'not supported by the rewrite', left alone")
 @pytest.mark.parametrize("key_padding", [False, True])
 def test_fairseq_separate_projection_weights_attention_is_rewritten(key_padding):
+    """findings A1: F.multi_head_attention_forward with use_separate_proj_weight=True (q/k/v_proj weights)
+    was reported 'not supported by the rewrite'."""
     model = _SelfAttention(FairseqMultiheadAttention(24, 3))
     args = (R(9, 2, 24), _padding()) if key_padding else (R(9, 2, 24),)  # (T, B, C)
     _check_block(model, args, dict(attention=1))
@@ -2821,16 +2818,14 @@ class _WhisperAttentionOut(nn.Module):
         return self.block(x)
 
 
-@pytest.mark.xfail(strict=True, reason="findings A2: a dead qk.detach() (openai/whisper's qkv_attention "
-                   "returns it, the block drops it) is taken for another user of the scores: 'intermediate "
-                   "qk has other users', left alone")
 def test_whisper_manual_attention_with_a_dropped_detach_is_rewritten():
+    """findings A2: a dead qk.detach() (openai/whisper's qkv_attention returns it, the block drops it) was
+    taken for another user of the scores ('intermediate qk has other users')."""
     _check_block(_WhisperAttentionOut(), (R(2, 7, 24),), dict(attention=1, norm=2, dense=1))
 
 
 def test_whisper_manual_attention_without_the_detach_is_rewritten():
-    """The same block with the dead detach gone (what A2 asks for): rewritten, so only the dead node
-    stands in the way."""
+    """The same block with the dead detach gone: rewritten as the block with it is."""
 
     class NoDetach(WhisperMultiHeadAttention):
         def qkv_attention(self, q, k, v, mask=None):
@@ -2848,11 +2843,10 @@ def test_whisper_manual_attention_without_the_detach_is_rewritten():
     _check_block(model, (R(2, 7, 24),), dict(attention=1, norm=2, dense=1))
 
 
-@pytest.mark.xfail(strict=True, reason="findings A3: under dynamic=True nn.MultiheadAttention's dropout (a "
-                   "module float) is a symbolic input: 'training or dropout_p is not a constant', left "
-                   "alone, in eval too")
 @pytest.mark.parametrize("train", [True, False])
 def test_multihead_attention_under_dynamic_shapes_is_rewritten(train):
+    """findings A3: under dynamic=True nn.MultiheadAttention's dropout (a module float) is a symbolic input,
+    and it was refused ('training or dropout_p is not a constant'), in eval too."""
     model = _SelfAttention(nn.MultiheadAttention(24, 3, batch_first=True))
     _dynamic_check(model, [(R(2, s, 24),) for s in (7, 10)], train)
     assert counters["flash"]["attention"] == 1
@@ -2895,7 +2889,7 @@ def test_half_precision_as_the_code_base_runs_it(name):
         reference = Whisper(use_sdpa=name == "whisper_sdpa").eval()
         mel, tokens, labels = _whisper_inputs()
         model, args, args32 = reference, (mel.bfloat16(), tokens, labels), (mel, tokens, labels)
-        rewrites = dict(attention=6 if name == "whisper_sdpa" else 0, norm=12, dense=4, cross_entropy=1)
+        rewrites = dict(attention=6, norm=12, dense=4, cross_entropy=1)
     else:
         reference = CLIP().eval()
         image, text = _clip_inputs()
