@@ -26,6 +26,7 @@ import torch.fx
 
 from fx_passes._compat import CustomGraphPass, get_hash_for_files, stable_topological_sort
 from fx_passes._functionalize import functionalize_in_place
+from fx_passes._match import erase_dead_code
 from fx_passes._report import Report, collecting  # noqa: F401  (re-exported)
 
 log = logging.getLogger("flash_backend")
@@ -51,6 +52,9 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     graph._flash_entry_grad_enabled = getattr(graph, "_flash_subgraph_entry_grad", torch.is_grad_enabled())
     with torch.no_grad():
         functionalize_in_place(graph)
+        # A node nobody reads is no other user of an intermediate: erased once here, for every family
+        # (openai/whisper's dropped qk.detach() blocked its attention; review s32, A2)
+        erase_dead_code(graph)
         for module in family_modules():
             if families is None or module.FAMILY in families:
                 module.rewrite(graph)

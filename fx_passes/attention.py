@@ -72,7 +72,6 @@ from fx_passes._match import (
     arg,
     binary_operands,
     bound_arguments,
-    erase_dead_code,
     in_place_writers,
     insert_call,
     is_in_place,
@@ -3655,8 +3654,6 @@ def _rewrite_mha(graph: Graph, node: Node):
 
 def rewrite(graph: torch.fx.Graph) -> None:
     _float_inputs_to_specialise.clear()
-    # A node nobody reads is no other user of the scores (whisper's dropped qk.detach(): review s32, A2)
-    erase_dead_code(graph)
     functionalize_in_place(graph)  # run_passes did it already; again when the family runs alone
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):

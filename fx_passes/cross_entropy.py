@@ -97,7 +97,6 @@ from fx_passes._match import (
     arg,
     binary_operands,
     bound_arguments,
-    erase_dead_code,
     erase_unused,
     fake_call,
     fused_op,
@@ -989,7 +988,6 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    erase_dead_code(graph)  # a node nobody reads is no other user of an intermediate (review s32, A2)
     losses = [n for n in graph.nodes if n.op == "call_function" and
               (n.target is F.cross_entropy or n.target is F.nll_loss)]
     for loss in losses:

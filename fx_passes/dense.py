@@ -93,7 +93,6 @@ from fx_passes._compat import (
 from fx_passes._match import (
     arg,
     binary_other,
-    erase_dead_code,
     erase_unused,
     fake_call,
     fused_op,
@@ -744,7 +743,6 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    erase_dead_code(graph)  # a dead h.detach() is no other user of the linear output (review s32, A2)
     linears = [n for n in graph.nodes if _is(n, "linear", "addmm", "matmul", "mm", "einsum")]
     for node in linears:
         if node.graph is not graph:

@@ -89,7 +89,6 @@ from fx_passes._match import (
     arg,
     binary_operands,
     binary_other,
-    erase_dead_code,
     erase_unused,
     fake_call,
     fused_op,
@@ -1384,7 +1383,6 @@ def rewrite(graph: torch.fx.Graph) -> None:
     if fn is None:
         return
     _float_inputs_to_specialise.clear()
-    erase_dead_code(graph)  # a node nobody reads is no other user of an intermediate (review s32, A2)
     decisions = []  # reported once the run is known to stand (see the end)
     # (node, its mean when the node is one): the mean is found once, here, not again by the matcher
     anchors = []
