@@ -193,6 +193,110 @@ if GLUON_AVAILABLE:
                                             do_bufs.index(stage))
 
     @gluon.jit
+    def _query_block(WG: gl.constexpr, it, g, j, CAUSAL: gl.constexpr, dk, dv, lse_ahead, delta_ahead,
+                     dq_desc, q_bufs, do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles,
+                     q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys,
+                     first_key, stat_cols, first_row, batch, kv_head, group, num_heads, q_block_start,
+                     n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0,
+                     zero_s, zero_dq, HAS_MASK: gl.constexpr):
+        """Iteration `it` of consumer WG's loop (_consumer): query block j (from q_block_start) of the GQA
+        group's head g, its products against this warpgroup's keys, dK and dV added to, dQ added into
+        dq_desc's buffer. Returns dK, dV and the next iteration's query statistics."""
+        dtype: gl.constexpr = q_bufs.dtype
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
+        KEYS: gl.constexpr = k_smem.type.shape[0]
+        STAGES: gl.constexpr = q_bufs.type.shape[0]
+        DQ_SPLIT: gl.constexpr = HEAD_DIM >= 128  # (_consumer's comment)
+        col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # one value per query
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        head = kv_head * group + g
+        m0 = (q_block_start + j) * BLOCK_M
+        stage = it % STAGES
+        phase = (it // STAGES) & 1
+        q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        lse = gl.convert_layout(lse_ahead, col_layout)
+        delta = gl.convert_layout(delta_ahead, col_layout)
+        # the next iteration's (the next head's first block after this head's last), whose load then has
+        # this iteration to arrive; no division (_block_stats') in the loop
+        head_ends = j + 1 == n_q_blocks
+        next_block = gl.where(head_ends, q_block_start, q_block_start + j + 1)
+        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + g + head_ends.to(gl.int32), seq_q,
+                                              next_block * BLOCK_M + stat_cols, it + 1 < n_iter)
+        # The products start from -lse / qk_scale and -delta instead of zero, so that
+        #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
+        # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T
+        # arrive: BLOCK_M 128 at head_dim 64 spilled 500 bytes with them live (now 180), and with the
+        # load ahead this measured 1.10-1.31x the kernel that subtracted them
+        # (bench/logs/attention_gluon_bwd_acc_init_s30_h200.log). The causal mask is S^T's -inf start
+        # (wgmma adds finite products to it) on the blocks that cross the diagonal. qk_scale > 0: the
+        # launcher checks it.
+        s_start = gl.broadcast(gl.expand_dims(-(lse / qk_scale), 0), zero_s)[0]
+        if CAUSAL:
+            if m0 < first_key + KEYS:  # the block has queries before some of these keys
+                queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+                s_start = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), s_start,
+                                   float("-inf"))
+        dp_start = gl.broadcast(gl.expand_dims(-delta, 0), zero_s)[0]
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_start, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), dp_start, is_async=True)
+        if HAS_MASK:  # the padding mask's bias of these keys for this head (base 2, -inf past seq_k)
+            bias_row = BIAS + (batch * mask_row_b + head * mask_row_h).to(gl.int64) * bias_len
+            bias = gl.load(bias_row + keys)
+
+        s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
+        if HAS_MASK:
+            p = gl.exp2(s * qk_scale + gl.expand_dims(bias, 1))
+        else:
+            p = gl.exp2(s * qk_scale)
+        # dV's product goes out before dP is waited for
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
+        dp, _, _ = warpgroup_mma_wait(1, deps=(dp_tok, v_smem, do_smem))
+        ds = (p * dp).to(dtype)
+        ds_op = gl.convert_layout(ds, op_layout)
+        dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+
+        # dS^T to shared memory: dQ needs both warpgroups' key rows. Two buffers, so that one
+        # warpgroup can store the next block's while the other still reads this one's.
+        buf = it % 2
+        ds_phase = (it // 2) & 1
+        mbarrier.wait(ds_empty.index(buf), ds_phase ^ 1)
+        ds_bufs.index(2 * buf + WG).store(ds)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's part is stored before the arrive (thread 0's) says so
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), ds_phase)
+        if DQ_SPLIT:
+            computes_dq = True
+        else:
+            computes_dq = it % 2 == WG
+        if computes_dq:  # queued behind dV and dK
+            ds0 = ds_bufs.index(2 * buf).permute((1, 0))  # dS of warpgroup 0's keys, (BLOCK_M, KEYS)
+            ds1 = ds_bufs.index(2 * buf + 1).permute((1, 0))
+            dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+            dq = zero_dq
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        mbarrier.arrive(do_empty.index(stage), count=1)
+        mbarrier.arrive(ds_empty.index(buf), count=1)
+        if computes_dq:
+            # dQ leaves through shared memory by TMA reduce-add (rows past seq_q clipped); the previous
+            # one has had an iteration to read its tile
+            tma.store_wait(0)
+            dq_smem.store(dq * scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_add_shared_to_global(dq_desc, [batch * num_heads + head, m0, dq_col0],
+                                      dq_tiles.index(WG))
+        return dk, dv, lse_ahead, delta_ahead
+
+    @gluon.jit
     def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs,
                   dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA,
                   BIAS, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
@@ -202,7 +306,6 @@ if GLUON_AVAILABLE:
         BLOCK_M: gl.constexpr = q_bufs.type.shape[3]  # q_bufs: [STAGES, 1, 1, BLOCK_M, HEAD_DIM]
         HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
         KEYS: gl.constexpr = k_tiles.type.shape[3]  # k_tiles: [2, 1, 1, KEYS, HEAD_DIM]
-        STAGES: gl.constexpr = q_bufs.type.shape[0]
         # head_dim >= 128: each warpgroup computes dQ for one half of head_dim every iteration; at 64 the
         # half (32 columns) is narrower than shared memory's 128-byte swizzle, so the warpgroups take turns
         # and compute all of dQ every other iteration
@@ -214,10 +317,8 @@ if GLUON_AVAILABLE:
                                                             instr_shape=[16, HEAD_DIM, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (S^T's columns)
-        # the query statistics as they are loaded, an iteration ahead: one value a thread, where col_layout
-        # holds BLOCK_M / 4 (32 registers a vector at BLOCK_M 128)
+        # the query statistics as they are loaded, an iteration ahead: one value a thread, where wgmma's
+        # layout of a query vector (S^T's columns) holds BLOCK_M / 4 (32 registers a vector at BLOCK_M 128)
         stat_layout: gl.constexpr = STAT_LAYOUT
 
         first_key = n0 + WG * KEYS
@@ -244,88 +345,19 @@ if GLUON_AVAILABLE:
         stat_cols = gl.arange(0, BLOCK_M, layout=stat_layout)
         lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
                                               seq_q, BLOCK_M, stat_cols)
-        for it in range(n_iter):
-            head = kv_head * group + it // n_q_blocks
-            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
-            stage = it % STAGES
-            phase = (it // STAGES) & 1
-            q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            lse = gl.convert_layout(lse_ahead, col_layout)
-            delta = gl.convert_layout(delta_ahead, col_layout)
-            # the next block's, whose load then has this iteration to arrive
-            lse_ahead, delta_ahead = _block_stats(LSE, DELTA, it + 1, n_iter, first_row, q_block_start,
-                                                  n_q_blocks, seq_q, BLOCK_M, stat_cols)
-            # The products start from -lse / qk_scale and -delta instead of zero, so that
-            #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
-            # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T
-            # arrive: BLOCK_M 128 at head_dim 64 spilled 500 bytes with them live (now 180), and with the
-            # load ahead this measured 1.10-1.31x the kernel that subtracted them
-            # (bench/logs/attention_gluon_bwd_acc_init_s30_h200.log). The causal mask is S^T's -inf start
-            # (wgmma adds finite products to it) on the blocks that cross the diagonal. qk_scale > 0: the
-            # launcher checks it.
-            s_start = gl.broadcast(gl.expand_dims(-(lse / qk_scale), 0), zero_s)[0]
-            if CAUSAL:
-                if m0 < first_key + KEYS:  # the block has queries before some of these keys
-                    queries = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-                    s_start = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), s_start,
-                                       float("-inf"))
-            dp_start = gl.broadcast(gl.expand_dims(-delta, 0), zero_s)[0]
-            mbarrier.wait(q_ready.index(stage), phase)
-            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_start, is_async=True)
-            mbarrier.wait(do_ready.index(stage), phase)
-            dp_tok = warpgroup_mma(v_smem, do_smem.permute((1, 0)), dp_start, is_async=True)
-            if HAS_MASK:  # the padding mask's bias of these keys for this head (base 2, -inf past seq_k)
-                bias_row = BIAS + (batch * mask_row_b + head * mask_row_h).to(gl.int64) * bias_len
-                bias = gl.load(bias_row + keys)
-
-            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_smem))
-            if HAS_MASK:
-                p = gl.exp2(s * qk_scale + gl.expand_dims(bias, 1))
-            else:
-                p = gl.exp2(s * qk_scale)
-            # dV's product goes out before dP is waited for
-            dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_smem, dv, is_async=True)
-            dp, _, _ = warpgroup_mma_wait(1, deps=(dp_tok, v_smem, do_smem))
-            ds = (p * dp).to(dtype)
-            ds_op = gl.convert_layout(ds, op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
-
-            # dS^T to shared memory: dQ needs both warpgroups' key rows. Two buffers, so that one
-            # warpgroup can store the next block's while the other still reads this one's.
-            buf = it % 2
-            ds_phase = (it // 2) & 1
-            mbarrier.wait(ds_empty.index(buf), ds_phase ^ 1)
-            ds_bufs.index(2 * buf + WG).store(ds)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part is stored before the arrive (thread 0's) says so
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            mbarrier.wait(ds_ready.index(buf), ds_phase)
-            if DQ_SPLIT:
-                computes_dq = True
-            else:
-                computes_dq = it % 2 == WG
-            if computes_dq:  # queued behind dV and dK
-                ds0 = ds_bufs.index(2 * buf).permute((1, 0))  # dS of warpgroup 0's keys, (BLOCK_M, KEYS)
-                ds1 = ds_bufs.index(2 * buf + 1).permute((1, 0))
-                dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            else:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-                dq = zero_dq
-            mbarrier.arrive(q_empty.index(stage), count=1)
-            mbarrier.arrive(do_empty.index(stage), count=1)
-            mbarrier.arrive(ds_empty.index(buf), count=1)
-            if computes_dq:
-                # dQ leaves through shared memory by TMA reduce-add (rows past seq_q clipped); the previous
-                # one has had an iteration to read its tile
-                tma.store_wait(0)
-                dq_smem.store(dq * scale)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_add_shared_to_global(dq_desc, [batch * num_heads + head, m0, dq_col0],
-                                          dq_tiles.index(WG))
+        # Iteration `it` = g * n_q_blocks + j: the GQA group's head g, its query block j (the rings' stages
+        # and phases count iterations). Two loops rather than one over `it`, so that no iteration divides
+        # by n_q_blocks (the head and the block of `it` and of the next one): 1.05-1.11x the kernel that
+        # did, non-causal (bench/logs/attention_bwd_peel_s33_h200.log). The causal diagonal's blocks in a
+        # loop of their own, the rest without the masking code (as the forward does), measured 0.92-0.96x.
+        for g in range(group):
+            for j in range(n_q_blocks):
+                dk, dv, lse_ahead, delta_ahead = _query_block(
+                    WG, g * n_q_blocks + j, g, j, CAUSAL, dk, dv, lse_ahead, delta_ahead, dq_desc, q_bufs,
+                    do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles, q_ready, q_empty,
+                    do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys, first_key, stat_cols,
+                    first_row, batch, kv_head, group, num_heads, q_block_start, n_q_blocks, n_iter, seq_q,
+                    qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0, zero_s, zero_dq, HAS_MASK)
 
         # dV leaves through this warpgroup's V tile (no one else reads it); TMA clips keys past seq_k
         v_smem.store(dv.to(dtype))
