@@ -110,14 +110,75 @@ def test_bias_rows_of_strided_and_broadcast_masks_under_interpreter(interpreter)
     assert want[3].tolist() == [1, 1, 1]  # right padding with bias 0: pure
 
 
-def _spill_bytes(kernel) -> int:
+def _ptxas_report(kernel) -> str:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx_file = Path(tmp) / "k.ptx"
         ptx_file.write_text(kernel.asm["ptx"])
         command = [str(ptxas), "-v", "-arch=sm_90a", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")]
-        report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-    return max(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+        return subprocess.run(command, capture_output=True, text=True, check=True).stderr
+
+
+def _spill_bytes(kernel) -> int:
+    return max(int(n) for n in re.findall(r"(\d+) bytes spill stores", _ptxas_report(kernel)))
+
+
+def _sass_key_loops(kernel) -> list[tuple[int, int, int, int]]:
+    """The innermost loops of the kernel's sm_90 SASS that issue wgmma (the key loops): (instructions, FSEL,
+    global loads, local loads / stores) of each, from nvdisasm's labels and backward branches."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line):
+            ins.append(m.group(1))
+    # the branches after the first EXIT are the mbarrier waits' retries, not loops
+    end = next(i for i, op in enumerate(ins) if re.match(r"(@!?U?P\w+\s+)?EXIT", op))
+    loops = []
+    for i, op in enumerate(ins[:end]):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", op)
+        if m and labels.get(m.group(1), i) < i:
+            body = ins[labels[m.group(1)]:i + 1]
+            # a loop holding setmaxnreg is the worker warps' partition dispatch, around every partition
+            if any("HGMMA" in op for op in body) and not any("SETMAXREG" in op for op in body):
+                loops.append((len(body), sum(bool(re.search(r"\bFSEL\b", op)) for op in body),
+                              sum(bool(re.search(r"\bLDG\b", op)) for op in body),
+                              sum(bool(re.search(r"\b(LDL|STL)\b", op)) for op in body)))
+    return loops
+
+
+@pytest.mark.parametrize("raw_scores", [False, True])
+def test_pure_row_key_loop_has_no_masking_for_sm90(raw_scores):
+    """PEEL_RANGE: the head_dim-64 padding forward (three consumers) gives pure rows partitions of their
+    own whose key blocks end at the row's live end, so that their key loop has no masking code: no FSEL
+    (64 an iteration with the range's edges masked inside the loop, session 32), no spill anywhere, no
+    wgmma serialisation (ptxas C7513), and a loop no longer than the unmasked kernel's (KEYS_PLAIN's
+    interior: 513 instructions, 451 with RAW_SCORES, where the pure rows' measured 481 / 419). The biased
+    rows' loops (a bias load an iteration) compile beside them, clean as well. RAW_SCORES: what the pure
+    rows' loop would run with the FMA softmax (routed_config keeps it off with a mask)."""
+    if not hopper_fwd.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    assert hopper_fwd.PEEL_RANGE and 64 in hopper_fwd.RANGE_LOOP_HEAD_DIMS
+    config = hopper_fwd.routed_config(64, 4096, False, True)
+    consumers = config[3]
+    config = (*config[:4], raw_scores, config[5])
+    kernel = hopper_fwd.compile_sm90(64, "bf16", False, config, mask=True)
+    report = _ptxas_report(kernel)
+    assert "C7513" not in report, report
+    assert _spill_bytes(kernel) == 0, report
+    loops = _sass_key_loops(kernel)
+    pure = [loop for loop in loops if loop[2] == 0]
+    biased = [loop for loop in loops if loop[2] > 0]
+    assert len(pure) == consumers and len(biased) == consumers, loops
+    assert all(fsel == 0 and local == 0 for _, fsel, _, local in pure), loops
+    assert all(local == 0 for *_, local in biased), loops
+    assert max(n for n, *_ in pure) <= (451 if raw_scores else 513), loops
 
 
 @pytest.mark.parametrize(("kind", "head_dim", "spill_limit"),
@@ -254,12 +315,15 @@ def _padding_mask(B, Hm, Sk, kind, dtype, pattern, generator):
     """A (B, Hm, 1, Sk) padding mask. kind: "bool", "0/-inf" (additive, pure padding like bool), "-inf" /
     "finfo.min" (random live values: every row takes the forward's bias loop). pattern: "right" (each row
     live up to a random length, one row with no live key when B * Hm > 2), "left" (live from a random
-    start), "holes" (right padding plus random dead keys inside)."""
+    start), "middle" (a random run of keys), "holes" (right padding plus random dead keys inside)."""
     rows = B * Hm
     lengths = torch.randint(1, Sk + 1, (rows,), generator=generator)
     keys = torch.arange(Sk)
     if pattern == "left":
         live = keys[None, :] >= (Sk - lengths)[:, None]
+    elif pattern == "middle":
+        starts = (torch.rand(rows, generator=generator) * (Sk - lengths + 1)).long()
+        live = (keys[None, :] >= starts[:, None]) & (keys[None, :] < (starts + lengths)[:, None])
     else:
         live = keys[None, :] < lengths[:, None]
     if pattern == "holes":
@@ -292,6 +356,9 @@ CUDA_CASES = {
     "d64_bool_right_three_consumers": (3, 4, 4, 1000, 1000, 64, 1, "bool", None, "right"),
     "d64_per_head_gqa_holes": (2, 6, 2, 517, 1100, 64, 6, "-inf", torch.float16, "holes"),
     "d64_short_q": (2, 4, 4, 97, 3000, 64, 1, "-inf", torch.bfloat16, "right"),
+    # pure rows (PEEL_RANGE) with their live range away from key 0 and short of Sk
+    "d64_bool_left": (3, 4, 4, 1000, 1300, 64, 1, "bool", None, "left"),
+    "d64_zero_inf_middle_per_head": (2, 4, 4, 700, 1500, 64, 4, "0/-inf", torch.bfloat16, "middle"),
     "d256_forward_triton_backward": (2, 4, 4, 513, 700, 256, 1, "bool", None, "right"),
 }
 

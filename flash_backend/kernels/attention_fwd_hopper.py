@@ -106,6 +106,19 @@ PERSISTENT_MAX_SEQ_Q_128 = 2048
 # with every block's masking inside, where head_dim 128 / 256 causal gained 1.00-1.04x (bench/probes/
 # attention_fwd_peel_probe.py, bench/logs/attention_fwd_peel_s32_h200.log).
 PEEL_CAUSAL_64 = triton.language.constexpr(False)
+# A padding mask's pure rows (KEYS_RANGE, RANGE_LOOP_HEAD_DIMS) with a key loop free of masking code, as
+# KEYS_PLAIN's (_consumer_blocks): the kernel branches once on the row's kind between two sets of
+# partitions (a warp_specialize each: no consumer carries both key loops), a pure row's key blocks end at
+# its last live key instead of a multiple of BLOCK_N (TMA loads from any row, zeros outside the tensor), so
+# that only the first block, computed before the loop, holds dead keys; and the consumers' Q tiles load
+# before the partitions. sm_90 SASS at head_dim 64 (tests/test_attention_hopper_padding.py): the pure rows'
+# loop 598 -> 481 instructions (64 -> 0 FSEL; 419 with RAW_SCORES; the unmasked kernel's 513 / 451), no
+# spills. Tried first (session 33, scratch): the last block peeled after the loop, as KEYS_PLAIN's, spilled
+# inside the loop (120-184 bytes, 14-20 local loads / stores an iteration in the worker consumers, with
+# one set of partitions or two); the range's edge blocks both before the loop spilled 88-128 bytes around
+# them. False: session 27's kernel (one set of partitions, every block's masking inside the pure rows'
+# loop).
+PEEL_RANGE = triton.language.constexpr(True)
 _PRODUCER_REGS = 24
 _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _BIAS_BLOCK = 128  # a padding mask's bias rows are padded to whole blocks of this many keys
@@ -149,13 +162,14 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
-                        first_block, n_blocks, c0):
-        """K and V of key blocks first_block onwards (n_blocks of them) into the ring, c0 blocks after its
-        start (the blocks of the earlier tiles of a persistent CTA; 0 otherwise)."""
+                        first_key, n_blocks, c0):
+        """K and V of n_blocks key blocks from key first_key on (a multiple of BLOCK_N but for a pure padding
+        row's under PEEL_RANGE) into the ring, c0 blocks after its start (the blocks of the earlier tiles of
+        a persistent CTA; 0 otherwise)."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         for j in range(n_blocks):
-            key0 = (first_block + j) * BLOCK_N
+            key0 = first_key + j * BLOCK_N
             stage = (c0 + j) % STAGES
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             empty_phase = (((c0 + j) // STAGES) & 1) ^ 1
@@ -170,7 +184,7 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
-                  first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles, PERSISTENT: gl.constexpr):
+                  first_key, n_blocks, group, num_heads, n_m_blocks, n_tiles, PERSISTENT: gl.constexpr):
         if PERSISTENT:  # every tile of this CTA (_tile_of), its blocks one after another in the ring
             for i in range(_n_local_tiles(n_tiles)):
                 batch, head, pid_m = _tile_of(i, n_m_blocks, num_heads)
@@ -178,7 +192,7 @@ if GLUON_AVAILABLE:
                                 head // group, 0, n_blocks, i * n_blocks)
         else:
             _produce_blocks(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                            kv_head, first_block, n_blocks, 0)
+                            kv_head, first_key, n_blocks, 0)
 
     @gluon.jit
     def _n_local_tiles(n_tiles):
@@ -402,10 +416,17 @@ if GLUON_AVAILABLE:
         # the loop, ptxas predicated its selects onto every block (64 FSEL and their predicates an
         # iteration at head_dim 64, 128 causal). The last block is a loop of zero or one trips, not an
         # `if`: an `if` merging the accumulators made ptxas serialize the wgmmas. KEYS_BIAS adds the bias on
-        # every block, and KEYS_RANGE peeled the same way spilled inside its loop at head_dim 64 (three
-        # consumers, two key loops a kernel): one loop for both; head_dim 64 causal too (PEEL_CAUSAL_64).
+        # every block: one loop; head_dim 64 causal too (PEEL_CAUSAL_64). KEYS_RANGE under PEEL_RANGE: the
+        # blocks end at the row's last live key (the kernel's _specialize call), so that only the first
+        # block, already out of the loop, can hold dead keys: no masking code in the loop at all.
         PEEL: gl.constexpr = KEYS == KEYS_PLAIN and (PEEL_CAUSAL_64 or not (CAUSAL and HEAD_DIM == 64))
-        if not PEEL:
+        if KEYS == KEYS_RANGE and PEEL_RANGE:
+            for j in range(1, n_mine):
+                p_op, acc, m_i, l_i = _key_block(
+                    WG, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, p_op, acc,
+                    m_i, l_i, rows, first_row, n_blocks, first_block, key_lo, key_hi, bias_row, qk_scale, c0,
+                    k0, CAUSAL, PINGPONG, KEYS, RAW, False)
+        elif not PEEL:
             for j in range(1, n_mine):
                 p_op, acc, m_i, l_i = _key_block(
                     WG, j, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, p_op, acc,
@@ -495,8 +516,9 @@ if GLUON_AVAILABLE:
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 16])
             first_row = m0 + WG * BLOCK_M  # this warpgroup's first query row
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
+            if not (RANGE_LOOP and PEEL_RANGE):  # else the kernel loaded Q before the partitions began
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [batch, head, first_row, 0], q_bar, q_tile)
             q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
             rows = first_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             mbarrier.wait(q_bar, 0)
@@ -632,7 +654,53 @@ if GLUON_AVAILABLE:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer reads every K / V tile
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        if RANGE_LOOP and PEEL_RANGE:
+            # Every consumer's Q tile loads here, before the partitions: loaded in the worker consumers (as
+            # elsewhere), the copy's operands were a 64-bit value that ptxas carried through the workers'
+            # dispatch loop and spilled around each partition (8 bytes a worker consumer, 64-72 in all with
+            # two sets of partitions; 32 in session 27's kernel, compiled as the runtime specialises it)
+            fence_async_shared()
+            for i in gl.static_range(CONSUMERS):
+                mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + i * BLOCK_M, 0], q_bars.index(i),
+                                                q_tiles.index(i))
+            # Pure rows and the others in partitions of their own (each consumer holds one key loop). A pure
+            # row's n_pure blocks end at its live end seq_k (the first starts at first_key, before key 0
+            # where the range is shorter than the blocks: TMA fills rows outside the tensor with zeros), so
+            # that only the first block holds dead keys (_consumer_blocks); its keys are counted from
+            # first_key there (key_lo - first_key the first live one). A row without a live key ((0, 0))
+            # has one block, every key dead.
+            n_pure = gl.maximum((seq_k - key_lo + BLOCK_N - 1) // BLOCK_N, 1)
+            first_key = seq_k - n_pure * BLOCK_N
+            if pure != 0:
+                _specialize(q_desc, k_desc, v_desc, o_desc, LSE, q_tiles, o_tiles, k_bufs, v_bufs, q_bars,
+                            turn_bars, k_ready, k_empty, v_ready, v_empty, batch, head, num_heads, group, m0,
+                            seq_q, n_pure * BLOCK_N, n_pure, qk_scale, bias_row, True, key_lo - first_key, 0,
+                            first_key, n_m_blocks, n_tiles, CONSUMERS, CAUSAL, PINGPONG, HAS_MASK,
+                            RANGE_LOOP, RAW_SCORES, PERSISTENT, PRODUCER_REGS, CONSUMER_REGS)
+            else:
+                _specialize(q_desc, k_desc, v_desc, o_desc, LSE, q_tiles, o_tiles, k_bufs, v_bufs, q_bars,
+                            turn_bars, k_ready, k_empty, v_ready, v_empty, batch, head, num_heads, group, m0,
+                            seq_q, seq_k, n_blocks, qk_scale, bias_row, False, key_lo, first_block,
+                            first_block * BLOCK_N, n_m_blocks, n_tiles, CONSUMERS, CAUSAL, PINGPONG, HAS_MASK,
+                            RANGE_LOOP, RAW_SCORES, PERSISTENT, PRODUCER_REGS, CONSUMER_REGS)
+        else:
+            _specialize(q_desc, k_desc, v_desc, o_desc, LSE, q_tiles, o_tiles, k_bufs, v_bufs, q_bars,
+                        turn_bars, k_ready, k_empty, v_ready, v_empty, batch, head, num_heads, group, m0,
+                        seq_q, seq_k, n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block,
+                        first_block * BLOCK_N, n_m_blocks, n_tiles, CONSUMERS, CAUSAL, PINGPONG, HAS_MASK,
+                        RANGE_LOOP, RAW_SCORES, PERSISTENT, PRODUCER_REGS, CONSUMER_REGS)
 
+    @gluon.jit
+    def _specialize(q_desc, k_desc, v_desc, o_desc, LSE, q_tiles, o_tiles, k_bufs, v_bufs, q_bars,
+                    turn_bars, k_ready, k_empty, v_ready, v_empty, batch, head, num_heads, group, m0, seq_q,
+                    seq_k, n_blocks, qk_scale, bias_row, pure, key_lo, first_block, first_key, n_m_blocks,
+                    n_tiles, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                    HAS_MASK: gl.constexpr, RANGE_LOOP: gl.constexpr, RAW_SCORES: gl.constexpr,
+                    PERSISTENT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """The kernel's partitions: the consumers (_consumer) and the producer (_producer, its blocks from
+        key first_key on). pure: whether the row is plain padding, at run time, or a constexpr where the
+        kernel chose between two sets of partitions (PEEL_RANGE)."""
         # The argument tuples are written in the call: a tuple assigned to a variable first turns its
         # constexprs into tensors. Consumer 0 is the default partition (4 warps); the other consumers and
         # the producer are workers.
@@ -640,14 +708,14 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                              v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
-                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks,
                              n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                              v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
-                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks,
                              n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles,
+                             head // group, first_key, n_blocks, group, num_heads, n_m_blocks, n_tiles,
                              PERSISTENT)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
@@ -655,18 +723,18 @@ if GLUON_AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                              v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
-                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks,
                              n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_consumer, (1, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                              v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
-                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks,
                              n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_consumer, (2, q_desc, o_desc, q_tiles, o_tiles, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                              v_ready, v_empty, turn_bars, LSE, batch, head, num_heads, m0, seq_q, seq_k,
-                             n_blocks, qk_scale, bias_row, pure != 0, key_lo, first_block, n_m_blocks,
+                             n_blocks, qk_scale, bias_row, pure, key_lo, first_block, n_m_blocks,
                              n_tiles, CAUSAL, PINGPONG, HAS_MASK, RANGE_LOOP, RAW_SCORES, PERSISTENT)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, batch,
-                             head // group, first_block, n_blocks, group, num_heads, n_m_blocks, n_tiles,
+                             head // group, first_key, n_blocks, group, num_heads, n_m_blocks, n_tiles,
                              PERSISTENT)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
