@@ -133,7 +133,9 @@ KEYS_BIAS = triton.language.constexpr(2)
 # every row / both loops: head_dim 64 (8,16,2048, additive rows 3/4..1 long) 385 / 343 us, (4,16,4096)
 # 652 / 588; head_dim 128 (8,16,2048) 483 / 552, (4,16,4096, bool rows 1/2..1 long) 696 / 806. The second
 # loop doubles the consumers' code (head_dim 128: 57 -> 109 KB of SASS; 64: 91 KB unmasked, 146 with both).
-RANGE_LOOP_HEAD_DIMS = (64,)
+RANGE_LOOP_HEAD_DIMS = (64, 128)
+# Head_dims whose pure rows' loop takes the FMA softmax (RAW_SCORES) with a padding mask: where it was timed.
+RAW_RANGE_HEAD_DIMS = (64,)
 # Registers: the kernel's budget (maxnreg) is 65536 over its warps (the consumers' warpgroups and the
 # producer's); setmaxnreg then moves them from the producer (24) to the consumers.
 _REGS = {2: (168, 240), 3: (128, 160)}  # consumers: (maxnreg, registers a consumer thread)
@@ -860,7 +862,11 @@ def routed_config(head_dim: int, seq_q: int, causal: bool, has_mask: bool) -> tu
     measured faster, and a padding mask's without RAW_SCORES (CONFIGS' comment)."""
     block_n, stages, pingpong, consumers, raw_scores, _ = _full_config(CONFIGS[(head_dim, causal)])
     persistent = head_dim == 128 and not (causal or has_mask) and seq_q <= PERSISTENT_MAX_SEQ_Q_128
-    return (block_n, stages, pingpong, consumers, raw_scores and not has_mask, persistent)
+    # with a mask RAW_SCORES reaches only the pure rows' loop (KEYS_RANGE; the bias loop keeps the scaled
+    # scores), measured there at head_dim 64: 1.04-1.06x (bench/logs/attention_padding_range_peel_s33_h200
+    # .log)
+    raw_scores = raw_scores and (not has_mask or head_dim in RAW_RANGE_HEAD_DIMS)
+    return (block_n, stages, pingpong, consumers, raw_scores, persistent)
 
 
 def _full_config(config) -> tuple:
