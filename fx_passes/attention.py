@@ -1411,6 +1411,11 @@ def _untranspose(kt: Node, ndim: int) -> tuple[Node, list[int] | None]:
         return kt.args[0], None
     if name == "adjoint":  # kᵀ conjugated: the same for the real dtypes the op takes (complex is refused)
         return kt.args[0], None
+    # Any other right operand is kᵀ stored as it is, (batch..., D, Sk) (timm's MaxViT / CoAtNet Attention2d
+    # and EfficientFormer's Attention4D keep q, k, v channels-first: ``q.transpose(-2, -1) @ k``): q @ kt =
+    # q @ (ktᵀ)ᵀ for any kt, so k is kt with its last two dims swapped, a view the op reads (review s33).
+    if len(_shape(kt) or ()) == ndim:
+        return kt, list(range(ndim - 2)) + [ndim - 1, ndim - 2]
     raise _Skip(f"the right operand of q·kᵀ ({name or kt.target}) is not a transpose of k's last two dims")
 
 
@@ -1459,6 +1464,12 @@ class _Candidate:
         self.k_unsqueeze: list[int] = []
         self.v_unsqueeze: list[int] = []
         self.out_perm = None  # permute of (batch..., Sq, Dv) into the consumer's layout
+        # The probabilities' last two dims swapped on their way to ·v, which then reads them as its right
+        # operand: v' @ pᵀ, the output (p @ v'ᵀ)ᵀ (timm's MaxViT Attention2d, channels-first v)
+        self.probs_swap: Node | None = None
+        # masked_fill(p, m, 0) nodes after the softmax, m a condition the scores were masked_fill'ed with
+        # (ESPnet / wenet's forward_attention): the op's own zeros at the masked keys (_zeroed_at_mask)
+        self.zeroed: list[Node] = []
         self.batch_dims = 2
         self.variant = "matmul"
         # Leading-dim reshapes seen through, each list ordered outwards from q·kᵀ: on the scores (before
@@ -2446,8 +2457,47 @@ def _qk(cand: _Candidate, mm: Node):
 _PROBS_ELEMENTWISE = ("mul", "div", "add", "sub", "masked_fill", "masked_fill_", "where")
 
 
+def _swaps_last_two(node: Node, of: Node) -> bool:
+    """Whether node is ``of`` with its last two dims swapped and nothing else: transpose / swapaxes / swapdims
+    of the last two, a permute keeping the others in order, ``.mT``."""
+    ndim = len(_shape(of) or ())
+    if ndim < 2 or not isinstance(node, Node) or not node.args or node.args[0] is not of:
+        return False
+    name = op_name(node)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        keys = ("axis0", "axis1") if name == "swapaxes" else ("dim0", "dim1")
+        dims = [arg(node, i + 1, key) for i, key in enumerate(keys)]
+        return all(isinstance(d, int) for d in dims) and sorted(norm_dim(d, ndim) for d in dims) == [
+            ndim - 2, ndim - 1]
+    if name == "permute":
+        perm = node.args[1:] if len(node.args) > 1 else node.kwargs.get("dims", ())
+        if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
+            perm = perm[0]
+        return all(isinstance(d, int) for d in perm) and [norm_dim(d, ndim) for d in perm] == list(
+            range(ndim - 2)) + [ndim - 1, ndim - 2]
+    return node.op == "call_function" and node.target is getattr and node.args[1] == "mT"
+
+
+def _swapped_into_pv(node: Node) -> Node | None:
+    """The matmul / bmm that reads node (the probabilities) with its last two dims swapped as its right
+    operand, ``v' @ pᵀ`` (the swap its only user, the matmul the swap's), else None."""
+    users = list(node.users)
+    if len(users) != 1 or not _swaps_last_two(users[0], node) or len(users[0].users) != 1:
+        return None
+    swap = users[0]
+    mm = next(iter(swap.users))
+    name = op_name(mm)
+    if name not in ("matmul", "bmm") or mm.kwargs:
+        return None
+    if len(mm.args) != 2 or mm.args[1] is not swap or mm.args[0] is swap:
+        return None
+    return mm
+
+
 def _feeds_matmul(node: Node, depth: int = 8, also: tuple = ()) -> bool:
     """Whether node reaches a matmul through the probabilities' elementwise ops (and the ops in also)."""
+    if _swapped_into_pv(node) is not None:
+        return True
     for user in node.users:
         name = op_name(user)
         if name in _MATMULS:
@@ -2506,12 +2556,40 @@ def _dropout_p(node: Node):
     raise _Skip(f"dropout '{node.name}' has a p that is neither a number nor a scalar")
 
 
+def _zeroed_at_mask(cand: _Candidate, node: Node, probs: Node) -> bool:
+    """Whether node is ``probs.masked_fill(m, 0)`` with m (the same node) a condition the scores were
+    masked_fill'ed with before the softmax, in the same shape: ESPnet's and wenet's
+    ``torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)`` (every Conformer / Transformer of both, FunASR).
+
+    The identity where the row keeps a key: there the masked keys' probabilities are exp(-inf) = 0 already
+    (or exp(fill - max) for a finite fill at or below -1e4, which the op takes as -inf: 0 as the fill's
+    policy says). On a row with every key masked by m eager's NaN (-inf fill) or uniform row (finite fill)
+    becomes 0, which is what the op returns there; its gradient is 0 in both (masked_fill passes none to
+    the masked entries). So the zeroing is the op's own, and is dropped."""
+    if op_name(node) != "masked_fill" or arg(node, 0, "input") is not probs or len(node.args) + len(
+            node.kwargs) != 3:
+        return False
+    cond, fill = arg(node, 1, "mask"), arg(node, 2, "value")
+    if not isinstance(cond, Node) or not is_number(fill) or isinstance(fill, bool) or fill != 0:
+        return False
+    if not any(c is cond and negate for c, negate in cand.masks.keeps):
+        return False
+    stage = cand.masks.stages.get(cond)
+    return stage is not None and _same_dims(_shape(probs) or (), stage) and _same_dims(
+        _shape(node) or (), _shape(probs) or ())
+
+
 def _probs_side(cand: _Candidate, softmax: Node) -> tuple[Node, Node]:
     """Walk from softmax up to the ·v matmul; returns it and the probabilities it reads (which operand
     they are is _pv's to check: vᵀ @ p contracts over the queries)."""
     x = softmax
     cand.dropout_p = 0.0
     while True:
+        swapped = _swapped_into_pv(x)
+        if swapped is not None:
+            cand.probs_swap = next(iter(x.users))
+            cand.chain.append(cand.probs_swap)
+            return swapped, x
         users = list(x.users)
         if len(users) != 1:
             what = "are also returned or reused" if users else "are unused"
@@ -2529,6 +2607,11 @@ def _probs_side(cand: _Candidate, softmax: Node) -> tuple[Node, Node]:
         if name in _RESHAPES and user.args[0] is x:
             _check_leading_reshape(user, "probabilities")
             cand.prob_views.append(user)
+            cand.chain.append(user)
+            x = user
+            continue
+        if _zeroed_at_mask(cand, user, x):
+            cand.zeroed.append(user)
             cand.chain.append(user)
             x = user
             continue
@@ -2577,6 +2660,16 @@ def _pv(cand: _Candidate, pv: Node, probs: Node):
         produced = batch + [i] + e
         cand.out_perm = [produced.index(c) for c in out]
         cand.variant += "+einsum"
+        return
+    if cand.probs_swap is not None:
+        # v' @ pᵀ (v' = vᵀ, (batch..., Dv, Sk)) = (p @ v'ᵀ)ᵀ: the op takes v = v' with its last two dims
+        # swapped, and its output (batch..., Sq, Dv) is swapped back into v' @ pᵀ's (batch..., Dv, Sq)
+        ndim = len(_shape(probs) or ())
+        v = pv.args[0]
+        if not isinstance(v, Node) or len(_shape(v) or ()) != ndim:
+            raise _Skip("v does not have the probabilities' batch dims")
+        cand.v = v
+        cand.v_perm = cand.out_perm = list(range(ndim - 2)) + [ndim - 1, ndim - 2]
         return
     # by position or keyword: torch.matmul(p, other=v), torch.bmm(input=p, mat2=v) (an IndexError before;
     # review s27, forms)
@@ -3135,12 +3228,16 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
         details.append(f"dropout={cand.dropout_p}")
     if enable_gqa:
         details.append("gqa")
-    if cand.finite_fills:
+    if cand.zeroed:
+        details.append("probabilities zeroed at the masked keys after the softmax")
+    # A post-softmax zeroing by the only mask there is makes every row with no visible key 0 in eager too
+    whole = bool(cand.zeroed) and not cand.masks.additive and len(cand.masks.keeps) == 1 and not is_causal
+    if cand.finite_fills and not whole:
         # eager's average on such a row is uniform for one fill; two fills that add (a causal finfo.min
         # plus a padding finfo.min) overflow to -inf on some keys, and the average is over the others
         details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf: a row with every key masked "
                        "gives 0, where eager gives an average of v")
-    if cand.inf_fill and mask is not None:
+    if cand.inf_fill and mask is not None and not whole:
         details.append("-inf fill: a row with every key masked gives 0, where eager gives NaN")
     if written_out:
         kind = "exp/sum softmax" if parts[2] is None else "exp·(1/sum) softmax"
