@@ -73,14 +73,19 @@ def grads(module, module_256, args, causal, config=None):
     return dq, dk, dv
 
 
-def reference(args, causal, dtype):
+def reference(args, causal, dtype, mask=None):
+    """The gradients of batch 0 through SDPA's math backend in dtype (k and v repeated for GQA), with an
+    additive or boolean attn_mask if given."""
     dout, q, k, v, _, _ = args
     group = q.shape[1] // k.shape[1]
     leaves = [t[:1].detach().to(dtype).requires_grad_() for t in (q, k, v)]
     qx, kx, vx = leaves
     kx, vx = (t.repeat_interleave(group, 1) for t in (kx, vx))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
     with sdpa_kernel([SDPBackend.MATH]):
-        o = F.scaled_dot_product_attention(qx, kx, vx, is_causal=causal)
+        o = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=None if mask is None else mask[:1],
+                                           is_causal=causal)
     o.backward(dout[:1].to(dtype))
     return [t.grad.float() for t in leaves]
 

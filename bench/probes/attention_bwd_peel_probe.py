@@ -61,18 +61,6 @@ def masked_inputs(B, H, Hkv, S, D, keep):
     return (torch.randn_like(q), q, k, v, out, lse), mask
 
 
-def masked_reference(args, mask, dtype):
-    dout, q, k, v, _, _ = args
-    group = q.shape[1] // k.shape[1]
-    leaves = [t[:1].detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    qx, kx, vx = leaves
-    kx, vx = (t.repeat_interleave(group, 1) for t in (kx, vx))
-    with sdpa_kernel([SDPBackend.MATH]):
-        o = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=mask[:1].to(dtype))
-    o.backward(dout[:1].to(dtype))
-    return [t.grad.float() for t in leaves]
-
-
 def grads(module, args, causal, mask=None):
     dout, q, k, v, out, lse = args
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -93,11 +81,7 @@ def main():
             args, mask = masked_inputs(B, H, Hkv, S, D, keep)
         checks = {}
         if S <= 4096:
-            if mask is None:
-                ref, low = reference(args, causal, torch.float32), reference(args, causal, torch.bfloat16)
-            else:
-                ref = masked_reference(args, mask, torch.float32)
-                low = masked_reference(args, mask, torch.bfloat16)
+            ref, low = (reference(args, causal, dtype, mask) for dtype in (torch.float32, torch.bfloat16))
             for name, module in mods.items():
                 checks[name] = verdict(grads(module, args, causal, mask), ref, low)
                 all_ok &= not checks[name].endswith("WRONG")

@@ -35,7 +35,6 @@ attention_fwd_peel_probe.py).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +44,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from attention_fwd_peel_probe import interleaved_us, load  # noqa: E402
 
 from flash_backend.kernels import attention_fwd_hopper as new  # noqa: E402
 from flash_backend.ops.attention import attention_reference  # noqa: E402
@@ -70,13 +71,6 @@ CHECK_ONLY = [
 ]
 NOPEEL_LINE = "PEEL_RANGE = triton.language.constexpr(True)"
 RANGE_DIMS_LINE = "RANGE_LOOP_HEAD_DIMS = (64,)"
-
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_edited(line, replacement, name):
@@ -121,22 +115,6 @@ def variants(mods, D, S):
 def run(mod, config, q, k, v, mask, out, lse):
     mod.attention_forward_hopper_launch(q, k, v, q.shape[-1] ** -0.5, False, out, lse, config=config,
                                         attn_mask=mask)
-
-
-def interleaved_us(fns: dict, rounds: int = 9, reps: int = 10) -> dict:
-    """Median microseconds a call of each function, timed in rounds that visit every one in turn."""
-    times = {name: [] for name in fns}
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            fn()
-            start.record()
-            for _ in range(reps):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times[name].append(start.elapsed_time(stop) * 1e3 / reps)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def check(out, lse, q, k, v, mask):
