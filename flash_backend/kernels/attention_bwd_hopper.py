@@ -347,9 +347,10 @@ if GLUON_AVAILABLE:
                                               seq_q, BLOCK_M, stat_cols)
         # Iteration `it` = g * n_q_blocks + j: the GQA group's head g, its query block j (the rings' stages
         # and phases count iterations). Two loops rather than one over `it`, so that no iteration divides
-        # by n_q_blocks (the head and the block of `it` and of the next one): 1.05-1.11x the kernel that
-        # did, non-causal (bench/logs/attention_bwd_peel_s33_h200.log). The causal diagonal's blocks in a
-        # loop of their own, the rest without the masking code (as the forward does), measured 0.92-0.96x.
+        # by n_q_blocks (the head and the block of `it` and of the next one): 1.03-1.11x the kernel that
+        # did (bench/logs/attention_bwd_peel_s33_h200.log). The causal diagonal's blocks in a loop of their
+        # own and the rest without the masking code (as the forward does: two copies of the body) measured
+        # 0.92-0.96x (attention_bwd_peel_causal_s33_h200.log).
         for g in range(group):
             for j in range(n_q_blocks):
                 dk, dv, lse_ahead, delta_ahead = _query_block(
