@@ -22,6 +22,19 @@ What is matched, on the Torch IR dynamo produces: ``F.cross_entropy(input, targe
   rows. Each picks every row at most once, in row-major order, and the Linear acts row-wise, so that is the
   loss over every row with the other rows' targets set to ignore_index; the op gets that target (built in
   the graph by a scatter) and still returns the full logits (_target_of_every_row),
+- permutations of the dimensions before the class one, which stays last (_row_permutation): sequence-first
+  (S, B, V) logits moved batch-first, ChatGLM2/3's ``lm_logits.transpose(0, 1).contiguous()`` then
+  ``.to(torch.float32)``, the shift and ``view(-1, V)``, Megatron's ``output.transpose(0, 1)``, fairseq-style
+  T x B x C decoders, nn.Transformer with batch_first=False (``transpose(0, 1)``, ``permute(1, 0, 2)``,
+  ``movedim`` / ``moveaxis``, ``swapaxes`` / ``swapdims``, any number of leading dimensions). Each maps the
+  Linear's rows one-to-one onto the rows after it, so with the selections, in their order, it is replayed on
+  a grid of the Linear's row numbers: the grid, flattened, names for each row of the loss the Linear row it
+  is; the op gets the target of every Linear row (scattered there), its per-row loss (reduction='none') is
+  read back at those positions, in eager's order, and the logits it returns, in the Linear's layout, feed
+  the permutation's node where the model also returns the permuted logits (ChatGLM's ``lm_logits``). A row
+  selection or permutation after a reshape that regrouped the rows is left alone (its index or dimensions
+  mean rows of another shape); a regrouping reshape after the last of them (the final ``view(-1, V)``) keeps
+  the row order and is taken,
 
 the output of ``F.linear(x, weight, bias)`` (``nn.Linear``) or of a matmul with a 2-D weight's transpose
 (``h @ self.wte.weight.T``, a tied head written out: ATen's bias-free F.linear is that matmul), of
@@ -50,10 +63,11 @@ dim), with z the chain above, is matched as well: ATen's cross_entropy computes 
 class-index targets. The log_softmax must be over z's last dimension (``-1``, or ``1`` / F.log_softmax's
 implicit dim on a 2-D z), computed in z's dtype or with
 ``dtype=torch.float32`` (z cast up first: the upcast above), and its output, possibly reshaped keeping the
-class dimension last (``F.log_softmax(logits, -1).view(-1, V)``) or with rows selected as above (the
-log_softmax is row-wise: that is a selection of the logits' rows), must be read by the nll_loss only: the
-op does not return log-probabilities. With classes at dim 1, the log-probabilities of logits whose classes
-are last moved there (``F.log_softmax(logits, -1).transpose(1, 2)``), or the log_softmax over dim 1 of the
+class dimension last (``F.log_softmax(logits, -1).view(-1, V)``) or with rows selected or permuted as
+above (``F.log_softmax(logits, -1).transpose(0, 1)`` of sequence-first logits: the log_softmax is row-wise,
+so that is a selection or permutation of the logits' rows), must be read by the nll_loss only: the op does
+not return log-probabilities. With classes at dim 1, the log-probabilities of logits whose classes are last
+moved there (``F.log_softmax(logits, -1).transpose(1, 2)``), or the log_softmax over dim 1 of the
 moved logits (``F.log_softmax(logits.transpose(1, 2), dim=1)``), as above. nll_loss's ignore_index and
 reduction mean what cross_entropy's do (label_smoothing 0); its class weights and legacy arguments are left
 alone as cross_entropy's are. An nll_loss whose input is not a log_softmax (seen through views, transposes
@@ -62,11 +76,14 @@ and casts) is not a candidate.
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input whose class
 dimension is not the Linear's last, alone moved to dim 1 (a Conv1d's (N, C, L) output, ``transpose(0, 2)``,
-``permute(1, 2, 0)`` of sequence-first logits, which pairs rows with other rows' targets, a row selection
-after the transpose), a step in the chain that changes values or row order (a slice,
+a one-step ``permute(1, 2, 0)`` of sequence-first logits, which also reorders the rows (``transpose(0, 1)``
+then ``transpose(1, 2)`` is taken: a row permutation, then the class move), a row selection after the
+transpose), a step in the chain that changes values or row order in a way not mapped (a slice,
 step, index, narrow, select or unbind along the class dimension, a new axis, an integer tensor index (it may
-pick a row twice), a mask computed from the logits, a row selection after a reshape that regrouped the rows, a
-transpose, a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), logits that do not come from an
+pick a row twice), a mask computed from the logits, a row selection or permutation after a reshape that
+regrouped the rows, a permutation that moves the class dimension from the last (``.T`` / ``.t()`` of 2-D
+logits, ``.mT``, ``transpose(1, 2)`` of 3-D logits read as (M, V) afterwards), a cast down or to fp64, a
+``view(dtype)`` reinterpreting the bits), logits that do not come from an
 F.linear (addmm scaled by beta or alpha or with a bias per row, an einsum that sums over rows, reorders them
 or has a weight per batch, a (K, V) weight that is not a transpose), a logit scale that is not a power of
 two (``* 0.3``: the weight scaled instead rounds differently) or on fp16 logits, and a tensor the pattern
@@ -250,6 +267,20 @@ def _permutation(node: object) -> tuple[torch.fx.Node, list[int]] | None:
     if not isinstance(permuted, torch.Tensor) or sorted(permuted.stride()) != sorted(strides):
         return None
     return source, [strides.index(s) for s in permuted.stride()]
+
+
+def _row_permutation(node: object) -> list[int] | None:
+    """The permutation of the leading (row) dimensions when node permutes the logits' dimensions before the
+    class one and leaves that one last (``logits.transpose(0, 1)`` of sequence-first (S, B, V) logits,
+    ``permute(1, 0, 2)``, ``movedim(0, 1)``, ``swapaxes``): q such that node's rows are its input's rows
+    with their leading index permuted by q, ``rows.permute(q)`` for a tensor ``rows`` of the input's leading
+    shape. Each row is then a row of the input, every one once. None for any other node, a permutation that
+    moves the class dimension included (``.T``, ``.mT``, ``transpose(1, 2)`` of 3-D logits)."""
+    permuted = _permutation(node)
+    if permuted is None:
+        return None
+    p = permuted[1]
+    return p[:-1] if p[-1] == len(p) - 1 else None
 
 
 def _classes_moved_to_dim_1(node: torch.fx.Node, casts: bool = True
@@ -629,10 +660,17 @@ def _logits_source(ce_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
                 node, source = source, source.args[0]
         elif name in _CASTS and not upcast and _is_upcast(node, source):
             upcast = tensor_meta(source).dtype != torch.float32
+        elif _row_permutation(node) is not None:
+            pass  # the rows reordered, the classes left last: replayed on the rows' numbers (_row_steps)
+        elif (permuted := _permutation(node)) is not None:
+            raise _Miss(f"the logits pass through {_step_name(node)} ({node.name}), which permutes their "
+                        f"dimensions by {tuple(permuted[1])}: it moves the class dimension from the last "
+                        "(only permutations of the dimensions before it, which reorder the rows, are taken)")
         else:
             raise _Miss(f"the logits pass through {name or node.target} ({node.name}), which is not a "
-                        "reshape keeping the class dimension last, a single cast up to fp32 or a selection "
-                        "of rows (an index or slice not along the class dimension)")
+                        "reshape keeping the class dimension last, a single cast up to fp32, a selection "
+                        "of rows (an index or slice not along the class dimension) or a permutation of the "
+                        "dimensions before the class one")
         chain.append(node)
         node = source
     return node, chain, upcast, None, None
@@ -728,18 +766,20 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
             softmax_at_dim_1 = True
     for reader, step in zip([nll, *tail][len(moved):], tail[len(moved):-1], strict=False):
         # a selection of rows commutes with the row-wise log_softmax: F.log_softmax(z, -1)[:, :-1] is
-        # F.log_softmax(z[:, :-1], -1), a row selection of the logits (_row_selections)
+        # F.log_softmax(z[:, :-1], -1), a row selection of the logits (_row_steps); so does a permutation
+        # of the rows
         if softmax_at_dim_1:
             if not (is_op(step, "contiguous") and _same_shape(step, step.args[0])):
                 raise _Miss(f"the log-probabilities over dim 1 pass through {op_name(step) or step.target} "
                             f"({step.name}) between the log_softmax and the nll_loss: only contiguous() is "
                             "taken there")
         elif not (op_name(step) in _RESHAPES and _is_reshape_keeping_classes(step, step.args[0]) or
-                  _row_selection(step) is not None or
+                  _row_selection(step) is not None or _row_permutation(step) is not None or
                   is_op(step, "unbind") and _row_selection(reader) is not None):
             raise _Miss(f"the log-probabilities pass through {op_name(step) or step.target} ({step.name}) "
                         "between the log_softmax and the nll_loss, which is not a reshape keeping the class "
-                        "dimension last or a selection of rows")
+                        "dimension last, a selection of rows or a permutation of the dimensions before the "
+                        "class one")
     z, upcasts = _log_softmax_input(tail[-1], softmax_at_dim_1)
     before = []  # the transpose of the logits (and casts) before a log_softmax over dim 1
     if softmax_at_dim_1:
@@ -762,20 +802,24 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
         all(statically_known_true(m == n) for m, n in zip(ta.shape, tb.shape, strict=True))
 
 
-def _row_selections(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The row selections (``logits[..., :-1, :]``, _row_selection) in the chain, the Linear's side first;
-    _Miss when one follows a reshape that regroups the rows: its index then means rows of another shape than
-    x's leading one, which _target_of_every_row indexes."""
-    slices, regrouped = [], None
+def _row_steps(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The steps of the chain that select rows (``logits[..., :-1, :]``, _row_selection) or reorder them
+    (``logits.transpose(0, 1)`` of sequence-first logits, _row_permutation), the Linear's side first; _Miss
+    when one follows a reshape that regroups the rows: its index or permutation then means rows of another
+    shape than the one _target_of_every_row replays it on. (A regrouping reshape after the last of them,
+    the final ``view(-1, V)``, is row-major: it keeps the order of the rows, which is all the loss sees.)"""
+    steps, regrouped = [], None
     for step in reversed(chain):  # the chain is latest first
-        if _row_selection(step) is not None:
+        selects, permutes = _row_selection(step) is not None, _row_permutation(step) is not None
+        if selects or permutes:
             if regrouped is not None:
-                raise _Miss(f"the logits are indexed ({step.name}) after {regrouped.name} regrouped their "
+                what = "indexed" if selects else f"permuted by {_step_name(step)}"
+                raise _Miss(f"the logits are {what} ({step.name}) after {regrouped.name} regrouped their "
                             "rows")
-            slices.append(step)
+            steps.append(step)
         elif op_name(step) in _RESHAPES and not _same_shape(step, step.args[0]):
             regrouped = step
-    return slices
+    return steps
 
 
 def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[torch.fx.Node],
@@ -791,7 +835,14 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     returning ``.logits``) keep reading them, and one GEMM computes both. (Slicing x instead would leave
     no full logits for them, and computing them again costs the head's GEMM twice.) The positions are those
     of the selected rows in row-major order: the same index applied to a grid of row numbers, flattened as
-    the loss's (M, V) input is."""
+    the loss's (M, V) input is.
+
+    A permutation of the rows (_row_permutation: sequence-first logits transposed to batch-first, ChatGLM's
+    ``lm_logits.transpose(0, 1).contiguous()``) is replayed on the grid as well, in its place among the
+    selections: the grid then holds, for each row the loss reads, the number of the Linear's row it is, so
+    the scatter pairs every Linear row with its own target, and the op's per-row loss read at the positions
+    is eager's, in eager's order. The op still computes (and returns) the logits in the Linear's layout; the
+    permutation's node, where the model also returns the permuted logits, reads them."""
     def call(fn, *a, **k):
         node = insert_call(graph, fn, a, k, like=like)
         inserted.append(node)
@@ -803,7 +854,9 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     grid = call(torch.Tensor.view_as, call(torch.sub, call(torch.cumsum, flat, 0), 1), lead)
     grids = {}
     for step in slices:
-        select, arguments = _row_selection(step)
+        permutation = _row_permutation(step)
+        select, arguments = (torch.permute, (permutation,)) if permutation is not None else \
+            _row_selection(step)
         grid = grids[step] = call(select, grid, *arguments)
     positions = call(torch.reshape, grid, (-1,))
     # (no example value, the op's fake run below fails and reports it, erasing these)
@@ -864,7 +917,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     the op gets the target flattened, and eager's per-row loss (reduction='none') has the target's shape."""
     linear, chain, upcast, added_bias, scale = _logits_source(logits_input)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
-    slices = _row_selections(chain)
+    slices = _row_steps(chain)
     x, weight, bias, transposed = _linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node), or
     # those scaled (then the scale's node)
