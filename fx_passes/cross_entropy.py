@@ -54,7 +54,12 @@ it is such logits L, (N, d1, .., C), with their class dimension moved to dim 1 a
 ``movedim(-1, 1)``; seq2seq and token-classification code), then possibly ``contiguous()`` and a cast up to
 fp32. The loss at (n, i..) is then that of L's row (n, i..) with the target's (n, i..): the op gets the target
 flattened, row-major as L's rows, and its per-row loss (reduction='none') is reshaped as the target, as
-eager's is (_classes_moved_to_dim_1).
+eager's is (_classes_moved_to_dim_1). A permutation P that puts the class dimension at 1 and reorders the
+others as well (the one-step ``logits.permute(1, 2, 0)`` of sequence-first (S, B, V) logits into (B, V, S),
+``permute(1, -1, 0)``, ``movedim(0, -1)``, 4-D ones) is the row permutation q = (P[0], P[2], ..) with the
+class dimension kept last, followed by that class move (``permute(1, 0, 2)`` then ``transpose(1, 2)``, which
+is taken as such): q is replayed on the grid of row numbers as the row permutations above are, the last
+of the row steps (_row_permutation with class_move, _row_steps), and the rest is the class move's path.
 
 The same function spelled ``F.nll_loss(F.log_softmax(z, dim=-1), target, ...)`` (``nn.NLLLoss`` and
 ``nn.LogSoftmax`` modules are inlined by dynamo to these two calls; ``torch.log_softmax``,
@@ -74,26 +79,26 @@ alone as cross_entropy's are. An nll_loss whose input is not a log_softmax (seen
 and casts) is not a candidate.
 
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
-probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input whose class
-dimension is not the Linear's last, alone moved to dim 1 (a Conv1d's (N, C, L) output, ``transpose(0, 2)``,
-a one-step ``permute(1, 2, 0)`` of sequence-first logits, which also reorders the rows (``transpose(0, 1)``
-then ``transpose(1, 2)`` is taken: a row permutation, then the class move), a row selection after the
-transpose), a step in the chain that changes values or row order in a way not mapped (a slice,
-step, index, narrow, select or unbind along the class dimension, a new axis, an integer tensor index (it may
-pick a row twice), a mask computed from the logits, a row selection or permutation after a reshape that
-regrouped the rows, a permutation that moves the class dimension from the last (``.T`` / ``.t()`` of 2-D
-logits, ``.mT``, ``transpose(1, 2)`` of 3-D logits read as (M, V) afterwards), a cast down or to fp64, a
-``view(dtype)`` reinterpreting the bits), logits that do not come from an
-F.linear (addmm scaled by beta or alpha or with a bias per row, an einsum that sums over rows, reorders them
-or has a weight per batch, a (K, V) weight that is not a transpose), a logit scale that is not a power of
-two (``* 0.3``: the weight scaled instead rounds differently) or on fp16 logits, and a tensor the pattern
-reads that is written in place before the loss (``x.mul_(2)`` between the Linear and the loss), the logits
-written in place at all, through any view of them (before the loss it reads the written values; after it, the
-op's backward reads the logits it kept, where eager's reads its log-probabilities), and a target computed
-from the logits (pseudo-labels: the op would need it before it computes them). For the nll_loss form also:
-a log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities used
-elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss other
-than such a reshape or row selection (a cast of the log-probabilities, a transpose).
+probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input whose dim 1 is
+not the Linear's last (class) dimension moved there (a Conv1d's (N, C, L) output, ``transpose(0, 2)``,
+``permute(2, 1, 0)`` or ``.mT`` of 4-D logits, which put another dimension at 1), a permutation of the rows
+with the class move after a reshape that regrouped them (``logits.reshape(B, S, V).permute(1, 2, 0)`` of
+(S, B, V) logits), a row selection after the class move, a step in the chain that changes values or row
+order in a way not mapped (a slice, step, index, narrow, select or unbind along the class dimension, a new
+axis, an integer tensor index (it may pick a row twice), a mask computed from the logits, a row selection or
+permutation after a reshape that regrouped the rows, a permutation that moves the class dimension from the
+last (``.T`` / ``.t()`` of 2-D logits, ``.mT``, ``transpose(1, 2)`` of 3-D logits read as (M, V)
+afterwards), a cast down or to fp64, a ``view(dtype)`` reinterpreting the bits), logits that do not come
+from an F.linear (addmm scaled by beta or alpha or with a bias per row, an einsum that sums over rows,
+reorders them or has a weight per batch, a (K, V) weight that is not a transpose), a logit scale that is
+not a power of two (``* 0.3``: the weight scaled instead rounds differently) or on fp16 logits, and a tensor
+the pattern reads that is written in place before the loss (``x.mul_(2)`` between the Linear and the loss),
+the logits written in place at all, through any view of them (before the loss it reads the written values;
+after it, the op's backward reads the logits it kept, where eager's reads its log-probabilities), and a target
+computed from the logits (pseudo-labels: the op would need it before it computes them). For the nll_loss
+form also: a log_softmax over another dimension, or in another dtype (fp64, a cast down), log-probabilities
+used elsewhere too (returned, or written in place), and a step between the log_softmax and the nll_loss
+other than such a reshape or row selection (a cast of the log-probabilities, a transpose).
 """
 
 from __future__ import annotations
@@ -269,17 +274,25 @@ def _permutation(node: object) -> tuple[torch.fx.Node, list[int]] | None:
     return source, [strides.index(s) for s in permuted.stride()]
 
 
-def _row_permutation(node: object) -> list[int] | None:
+def _row_permutation(node: object, class_move: bool = False) -> list[int] | None:
     """The permutation of the leading (row) dimensions when node permutes the logits' dimensions before the
     class one and leaves that one last (``logits.transpose(0, 1)`` of sequence-first (S, B, V) logits,
     ``permute(1, 0, 2)``, ``movedim(0, 1)``, ``swapaxes``): q such that node's rows are its input's rows
     with their leading index permuted by q, ``rows.permute(q)`` for a tensor ``rows`` of the input's leading
     shape. Each row is then a row of the input, every one once. None for any other node, a permutation that
-    moves the class dimension included (``.T``, ``.mT``, ``transpose(1, 2)`` of 3-D logits)."""
+    moves the class dimension included (``.T``, ``.mT``, ``transpose(1, 2)`` of 3-D logits).
+
+    class_move: node is the permutation that moves the logits' classes to dim 1 for the loss
+    (_classes_moved_to_dim_1), p with p[1] their last dimension. p is then the row permutation
+    q = (p[0], p[2], ..), the class dimension kept last, followed by the class move ``movedim(-1, 1)``
+    (``permute(1, 2, 0)`` of (S, B, V) logits is ``permute(1, 0, 2)``, then ``transpose(1, 2)``): q, the
+    identity for the class move alone; None when p[1] is another dimension."""
     permuted = _permutation(node)
     if permuted is None:
         return None
     p = permuted[1]
+    if class_move:
+        return [p[0], *p[2:]] if len(p) > 2 and p[1] == len(p) - 1 else None
     return p[:-1] if p[-1] == len(p) - 1 else None
 
 
@@ -292,9 +305,13 @@ def _classes_moved_to_dim_1(node: torch.fx.Node, casts: bool = True
     ``L.movedim(-1, 1)``, followed by ``contiguous()`` and, where casts, casts up to fp32 (_is_upcast).
     Element (n, c, i..) is then L[n, i.., c], so the loss at (n, i..) is the loss of L's row (n, i..) with the
     target's (n, i..), and the loss over the rows of L, in the target's row-major order: what the fused op
-    computes from L's Linear with the target flattened. ([], node, False) for a 2-D node; else _Miss: any
-    other permutation (one that also reorders d1, .., dk or N pairs a row with another row's target), a
-    class dimension at 1 that comes from no transpose of L (a Conv1d's output), or a step between."""
+    computes from L's Linear with the target flattened. Also a permutation that reorders L's other dimensions
+    as it moves the classes to dim 1 (``permute(1, 2, 0)`` of sequence-first (S, B, V) logits into (B, V, S)):
+    that is a permutation of L's rows, the classes kept last, then the class move (_row_permutation with
+    class_move), and the row permutation is replayed on the rows' numbers as any other is (_row_steps).
+    ([], node, False) for a 2-D node; else _Miss: a permutation that leaves another dimension at 1
+    (``transpose(0, 2)``: the classes at 0), a class dimension at 1 that comes from no transpose of L (a
+    Conv1d's output), or a step between."""
     meta = tensor_meta(node)
     if meta is None or meta.dim() <= 2:
         return [], node, False
@@ -314,10 +331,10 @@ def _classes_moved_to_dim_1(node: torch.fx.Node, casts: bool = True
         steps.append(node)
         node = source
     source, p = permuted
-    if p != [0, n - 1, *range(1, n - 1)]:
+    if _row_permutation(node, class_move=True) is None:
         raise _Miss(f"the input is {n}-D, its classes at dim 1, and {node.name} permutes the logits' "
-                    f"dimensions by {tuple(p)}: not {(0, n - 1, *range(1, n - 1))}, which moves their last "
-                    "(class) dimension to dim 1 and keeps the others in order")
+                    f"dimensions by {tuple(p)}: it does not move their last (class) dimension to dim 1 (as "
+                    f"{(0, n - 1, *range(1, n - 1))} does, the other dimensions possibly reordered too)")
     return [*steps, node], source, upcast
 
 
@@ -742,7 +759,8 @@ def _rewrite_cross_entropy(graph: torch.fx.Graph, fn, ce: torch.fx.Node) -> None
     args = _arguments(ce)
     _check_arguments(args)
     moved, logits, upcasts = _classes_moved_to_dim_1(args["input"])
-    _rewrite_one(graph, fn, ce, args, logits, moved, upcasts, "F.cross_entropy", classes_moved=bool(moved))
+    _rewrite_one(graph, fn, ce, args, logits, moved, upcasts, "F.cross_entropy",
+                 class_move=moved[-1] if moved else None)
 
 
 def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[torch.fx.Node]) -> None:
@@ -792,8 +810,9 @@ def _rewrite_nll_loss(graph: torch.fx.Graph, fn, nll: torch.fx.Node, tail: list[
         if others:
             raise _Miss(f"the log-probabilities {node.name} are also used by {', '.join(others)}: the fused "
                         "op does not compute them")
+    moved = moved or before  # the steps back to the class move, that permutation last
     _rewrite_one(graph, fn, nll, args, z, [*tail, *before], upcasts, "F.nll_loss",
-                 classes_moved=softmax_at_dim_1 or bool(moved))
+                 class_move=moved[-1] if moved else None)
 
 
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -802,15 +821,21 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
         all(statically_known_true(m == n) for m, n in zip(ta.shape, tb.shape, strict=True))
 
 
-def _row_steps(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
+def _row_steps(chain: list[torch.fx.Node], class_move: torch.fx.Node | None = None) -> list[torch.fx.Node]:
     """The steps of the chain that select rows (``logits[..., :-1, :]``, _row_selection) or reorder them
     (``logits.transpose(0, 1)`` of sequence-first logits, _row_permutation), the Linear's side first; _Miss
     when one follows a reshape that regroups the rows: its index or permutation then means rows of another
     shape than the one _target_of_every_row replays it on. (A regrouping reshape after the last of them,
-    the final ``view(-1, V)``, is row-major: it keeps the order of the rows, which is all the loss sees.)"""
+    the final ``view(-1, V)``, is row-major: it keeps the order of the rows, which is all the loss sees.)
+    class_move: the chain's permutation moving the classes to dim 1 (_classes_moved_to_dim_1), a step when
+    it also permutes the rows (``permute(1, 2, 0)``; _row_permutation with class_move)."""
     steps, regrouped = [], None
     for step in reversed(chain):  # the chain is latest first
-        selects, permutes = _row_selection(step) is not None, _row_permutation(step) is not None
+        if step is class_move:
+            q = _row_permutation(step, class_move=True)
+            selects, permutes = False, q != sorted(q)
+        else:
+            selects, permutes = _row_selection(step) is not None, _row_permutation(step) is not None
         if selects or permutes:
             if regrouped is not None:
                 what = "indexed" if selects else f"permuted by {_step_name(step)}"
@@ -824,7 +849,8 @@ def _row_steps(chain: list[torch.fx.Node]) -> list[torch.fx.Node]:
 
 def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[torch.fx.Node],
                          target: torch.fx.Node, ignore_index: int, like: torch.fx.Node,
-                         inserted: list[torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node, dict]:
+                         inserted: list[torch.fx.Node], class_move: torch.fx.Node | None = None
+                         ) -> tuple[torch.fx.Node, torch.fx.Node, dict]:
     """(a target for every row of x, the positions of the selected rows among them, for each selection the
     row numbers it selects), inserted into the graph.
 
@@ -842,7 +868,9 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     selections: the grid then holds, for each row the loss reads, the number of the Linear's row it is, so
     the scatter pairs every Linear row with its own target, and the op's per-row loss read at the positions
     is eager's, in eager's order. The op still computes (and returns) the logits in the Linear's layout; the
-    permutation's node, where the model also returns the permuted logits, reads them."""
+    permutation's node, where the model also returns the permuted logits, reads them. So is the row
+    permutation of the class move class_move (``permute(1, 2, 0)`` of (S, B, V) logits: (1, 0); the rows are
+    then read in the (B, S) target's row-major order), the last of the steps."""
     def call(fn, *a, **k):
         node = insert_call(graph, fn, a, k, like=like)
         inserted.append(node)
@@ -854,7 +882,7 @@ def _target_of_every_row(graph: torch.fx.Graph, x: torch.fx.Node, slices: list[t
     grid = call(torch.Tensor.view_as, call(torch.sub, call(torch.cumsum, flat, 0), 1), lead)
     grids = {}
     for step in slices:
-        permutation = _row_permutation(step)
+        permutation = _row_permutation(step, class_move=step is class_move)
         select, arguments = (torch.permute, (permutation,)) if permutation is not None else \
             _row_selection(step)
         grid = grids[step] = call(select, grid, *arguments)
@@ -906,18 +934,20 @@ def _slower_than_unfused(*inputs) -> bool:
 
 
 def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logits_input: torch.fx.Node,
-                 tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str, classes_moved: bool = False
-                 ) -> None:
+                 tail: list[torch.fx.Node], tail_upcasts: bool, loss_name: str,
+                 class_move: torch.fx.Node | None = None) -> None:
     """Rewrite the loss ce, whose cross-entropy arguments (checked) are args and whose logits logits_input
     are (through the chain _logits_source walks) those of an F.linear. tail: the nodes between
     logits_input and ce, latest first (for F.cross_entropy the transpose moving the classes to dim 1 and
     what follows it, or nothing; for F.nll_loss also the log_softmax and the reshapes after it), already
-    proven to compute nothing else; tail_upcasts: whether they cast up. classes_moved: ce's input is
-    (N, C, d1, ..), the logits' classes moved to dim 1 (_classes_moved_to_dim_1), and its target (N, d1, ..):
-    the op gets the target flattened, and eager's per-row loss (reduction='none') has the target's shape."""
+    proven to compute nothing else; tail_upcasts: whether they cast up. class_move: ce's input is
+    (N, C, d1, ..), the logits' classes moved to dim 1 by class_move, a permutation in tail
+    (_classes_moved_to_dim_1), and its target (N, d1, ..): the op gets the target flattened, and eager's
+    per-row loss (reduction='none') has the target's shape."""
+    classes_moved = class_move is not None
     linear, chain, upcast, added_bias, scale = _logits_source(logits_input)
     chain, upcast = [*tail, *chain], upcast or tail_upcasts
-    slices = _row_steps(chain)
+    slices = _row_steps(chain, class_move)
     x, weight, bias, transposed = _linear_operands(linear)
     # The logits the op returns: the Linear's, or those with the added class bias (then the add's node), or
     # those scaled (then the scale's node)
@@ -992,7 +1022,8 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         target = insert_call(graph, torch.reshape, (target, (-1,)), like=ce)
         inserted.append(target)
     if slices:
-        target, positions, grids = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted)
+        target, positions, grids = _target_of_every_row(graph, x, slices, target, ignore_index, ce, inserted,
+                                                        class_move)
     op_args = (x, weight, bias, target)
     # The op's per-row loss (reduction='none') covers every row of x, flat; eager's the selected ones, shaped
     # as the target

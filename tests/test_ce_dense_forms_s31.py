@@ -13,11 +13,12 @@ random inputs, and is compared with eager.
   ``swapaxes``), followed by ``contiguous()`` or a cast up, for each reduction (the per-row loss reshaped as
   the target), ignore_index and label smoothing, after the causal-LM shift, on (B, H, W, V) logits moved by
   ``permute(0, 3, 1, 2)``, under dynamic shapes; and for ``F.nll_loss`` of a ``log_softmax`` over dim 1 of the
-  moved logits or of log-probabilities moved there. Left alone, reported: a permutation that moves another
-  dimension as well (``transpose(0, 2)``, sequence-first logits ``permute(1, 2, 0)``, the spatial dims swapped
-  by ``transpose(1, 3)``, ``.mT`` of 4-D logits), classes at dim 1 that come from no transpose (a Conv1d, an
-  einsum writing them there), a row selection after the transpose, probability targets, a log_softmax over
-  another dim, log-probabilities cast or also returned.
+  moved logits or of log-probabilities moved there; since session 33 also sequence-first logits moved in one
+  step by ``permute(1, 2, 0)`` (a row permutation, then the class move). Left alone, reported: a permutation
+  that puts another dimension at 1 (``transpose(0, 2)``, ``.mT`` of 4-D logits; ``transpose(1, 3)`` of square
+  4-D logits, the spatial dims swapped, is fused since session 33), classes at dim 1 that come from no
+  transpose (a Conv1d, an einsum writing them there), a row selection after the transpose, probability
+  targets, a log_softmax over another dim, log-probabilities cast or also returned.
 - dense, GAP fixed (fx_passes/dense.py, _dtype_references / _cast_back_by_reference): ``F.gelu(h.float())
   .to(h)`` was no candidate at all (``.to(h)`` reads the pre-activation for its dtype, like fairseq's
   ``.type_as(h)``), and ``F.gelu(h).to(h)`` / ``.type_as(h)`` (the identity cast) were near misses; both are
@@ -192,12 +193,6 @@ CE_LEFT_ALONE = {
     "transpose(0, 2): classes at 0, the sequence read as classes": (
         lambda lg, y: F.cross_entropy(lg.transpose(0, 2), y), lambda: _x(B, S, K),
         lambda: torch.randint(0, S, (V, B)), "permutes the logits' dimensions by (2, 1, 0)"),
-    "sequence-first logits permute(1, 2, 0): rows paired with other rows' targets": (
-        lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y), lambda: _x(S, B, K), lambda: _labels((B, S)),
-        "by (1, 2, 0)"),
-    "transpose(1, 3) of square 4-D logits: the spatial dims swapped": (
-        lambda lg, y: F.cross_entropy(lg.transpose(1, 3), y), lambda: _x(2, 5, 5, K),
-        lambda: _labels((2, 5, 5)), "by (0, 3, 2, 1)"),
     ".mT of 4-D logits: classes at dim 2": (
         lambda lg, y: F.cross_entropy(lg.mT, y), lambda: _x(2, 5, 3, K),
         lambda: torch.randint(0, 5, (2, V, 3)), "by (0, 1, 3, 2)"),
@@ -223,6 +218,20 @@ CE_LEFT_ALONE = {
 def test_classes_at_dim_1_look_alikes_are_left_alone(name):
     loss_fn, x, y, reason = CE_LEFT_ALONE[name]
     _ce_check(loss_fn, rewrites=0, reason=reason, x=x(), y=y())
+
+
+def test_sequence_first_logits_permute_120_is_fused():
+    # (session 33: was left alone) (S, B, V) -> (B, V, S) in one step is the row permutation (1, 0, 2), the
+    # classes kept last, then the class move: the rows paired with their own targets
+    _ce_check(lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y), x=_x(S, B, K), y=_labels((B, S)),
+              text="F.linear -> permute -> F.cross_entropy")
+
+
+def test_square_4d_logits_transpose_13_is_fused():
+    # (session 33: was left alone) (N, H, W, V) -> (N, V, W, H): the row permutation (0, 2, 1), then the
+    # class move; each row is paired with its own target (the target's (N, W, H) order)
+    _ce_check(lambda lg, y: F.cross_entropy(lg.transpose(1, 3), y), x=_x(2, 5, 5, K), y=_labels((2, 5, 5)),
+              text="F.linear -> transpose -> F.cross_entropy")
 
 
 class GenuineClassesAtDim1(nn.Module):

@@ -18,8 +18,11 @@ reduction, label_smoothing, ignore_index with ignored targets, a shift before an
 mask, a select and an unbind item after it, the row permutation followed by the (N, C, d) class move, the
 nll_loss of a log_softmax permuted, dynamic=True over 3 lengths. Left alone, reported: a permutation that
 moves the class dimension, a row selection or permutation after a reshape that regrouped the rows, the
-permuted view of the logits written in place after the loss, the one-step (N, C, d) permutation
-``permute(1, 2, 0)`` of sequence-first logits (_classes_moved_to_dim_1 takes the class move alone).
+permuted view of the logits written in place after the loss.
+
+Also rewritten (appended below): the one-step (N, C, d) permutation ``permute(1, 2, 0)`` of sequence-first
+logits and its equivalents (``permute(1, -1, 0)``, ``movedim``, 4-D), decomposed into a row permutation (the
+classes kept last) followed by the class move ``movedim(-1, 1)`` (_row_permutation with class_move).
 """
 
 from __future__ import annotations
@@ -203,8 +206,7 @@ LEFT_ALONE = {
         lg.reshape(B, S, V).transpose(0, 1).reshape(-1, V), y.reshape(-1)), _sf, "permuted by transpose"),
     # the permuted view of the logits written after the loss: the op keeps the logits for its backward
     "written_through_the_transpose": (_written_after, _sf, "written in place"),
-    # (N, C, d) in one step from sequence-first logits: _classes_moved_to_dim_1's refusal stays
-    "permute_120_classes_moved": (lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y), _sf, "by (1, 2, 0)"),
+    # (the one-step (N, C, d) permutation permute(1, 2, 0) of sequence-first logits is fused: below)
     # a 3-D nll input whose dim 1 is the batch: the rows permuted, the classes not at dim 1
     "nll_3d_rows_permuted": (lambda lg, y: F.nll_loss(F.log_softmax(lg, -1).transpose(0, 1), y),
                              lambda: (torch.randn(S, B, D), torch.randint(0, S, (B, V))), "by (1, 0, 2)"),
@@ -214,4 +216,102 @@ LEFT_ALONE = {
 @pytest.mark.parametrize("name", list(LEFT_ALONE))
 def test_left_alone(name):
     loss, inputs, reason = LEFT_ALONE[name]
+    _left_alone(loss, inputs(), reason)
+
+
+# ========================================================================================================
+# the one-step (N, C, d1, ..) permutation of sequence-first logits: a row permutation, then the class move
+# ========================================================================================================
+# ``lg.permute(1, 2, 0)`` of (S, B, V) logits is ``lg.permute(1, 0, 2)`` (the rows reordered, the classes
+# kept last) then ``movedim(-1, 1)``: the pass replays the row permutation (1, 0) on the rows' numbers and
+# takes the classes-at-dim-1 path. Eager's reduction='none' loss is (B, S), the target's layout.
+
+
+def _moved_and_returned(lg, y):
+    moved = lg.permute(1, 2, 0)
+    return F.cross_entropy(moved, y, reduction="none"), moved
+
+
+ONE_STEP = {
+    # name: (loss(lg, y), inputs, the text of the rewrite)
+    "permute_120_mean": (lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y), _sf,
+                         "F.linear -> permute -> F.cross_entropy"),
+    "permute_120_sum": (lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y, reduction="sum"), _sf, None),
+    "permute_120_none": (lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y, reduction="none"), _sf, None),
+    "permute_1m10_none_smoothing": (lambda lg, y: F.cross_entropy(lg.permute(1, -1, 0), y, reduction="none",
+                                                                  label_smoothing=0.2), _sf, None),
+    "torch_permute_dims_kw_ignore_index": (lambda lg, y: F.cross_entropy(
+        torch.permute(lg, dims=(1, 2, 0)), y % 5, ignore_index=3, reduction="none"), _sf, None),
+    "movedim_0_m1_sum_smoothing": (lambda lg, y: F.cross_entropy(
+        lg.movedim(0, -1), y, reduction="sum", label_smoothing=0.1), _sf, "movedim"),
+    "movedim_two_dims": (lambda lg, y: F.cross_entropy(lg.movedim((0, 1), (2, 0)), y, reduction="none"),
+                         _sf, "movedim"),
+    "moveaxis_contiguous_float": (lambda lg, y: F.cross_entropy(
+        torch.moveaxis(lg, 0, 2).contiguous().float(), y), _sf, "moveaxis -> contiguous -> float"),
+    "permute_120_also_returned": (_moved_and_returned, _sf, None),
+    # the causal-LM shift before the permutation (sequence-first), ignored targets at both ends
+    "shift_then_permute_120_none": (lambda lg, y: F.cross_entropy(
+        lg[:-1].permute(1, 2, 0), y[:, 1:], reduction="none"), _sf, "getitem -> permute"),
+    # 4-D: (T, B, H, V) -> (B, V, T, H) and -> (H, V, B, T)
+    "permute_4d_1302_none": (lambda lg, y: F.cross_entropy(lg.permute(1, 3, 0, 2), y, reduction="none"),
+                             lambda: (torch.randn(5, 2, 3, D), _labels(2, 5, 3)), None),
+    "permute_4d_2310_mean": (lambda lg, y: F.cross_entropy(lg.permute(2, 3, 1, 0), y),
+                             lambda: (torch.randn(5, 2, 3, D), _labels(3, 2, 5)), None),
+    # (N, H, W, V) -> (N, V, W, H): the spatial dims swapped as the classes move, the rows permuted by
+    # (0, 2, 1) (square, so the target (N, W, H) is also (N, H, W)-shaped: each row still gets its own)
+    "transpose_13_square_4d_none": (lambda lg, y: F.cross_entropy(lg.transpose(1, 3), y, reduction="none"),
+                                    lambda: (torch.randn(2, 5, 5, D), _labels(2, 5, 5)), "transpose"),
+    # the nll_loss forms: log-probabilities permuted in one step, the log_softmax over dim 1 of the permuted
+    "nll_of_log_probs_permuted_120": (lambda lg, y: F.nll_loss(F.log_softmax(lg, -1).permute(1, 2, 0), y,
+                                                               reduction="none"), _sf, "F.nll_loss"),
+    "nll_of_log_softmax_dim_1_of_permuted_120": (lambda lg, y: F.nll_loss(
+        F.log_softmax(lg.permute(1, 2, 0), dim=1), y, reduction="sum"), _sf, "F.nll_loss"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_STEP))
+def test_one_step_permutation_to_classes_at_dim_1_is_rewritten(name):
+    loss, inputs, text = ONE_STEP[name]
+    _rewritten(loss, inputs(), text=text, head=dict(bias=True))
+
+
+@pytest.mark.parametrize("upcast", [True, False], ids=["upcast", "bf16_loss"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_one_step_permutation_bf16(reduction, upcast):
+    # bf16 logits cast up (transformers' upcast) or not: the op computes the loss in fp32 either way
+    def loss(lg, y):
+        moved = lg.permute(1, 2, 0)
+        return F.cross_entropy(moved.float() if upcast else moved, y, reduction=reduction)
+
+    _rewritten(loss, _sf(torch.bfloat16), tol=BF16, head=dict(bias=True, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_one_step_permutation_dynamic_over_three_lengths(reduction):
+    argsets = [_sf(s=7), _sf(s=5, b=2), _sf(s=12, b=4)]
+    loss = lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0), y, reduction=reduction)  # noqa: E731
+    _check(Head(loss, bias=True), None, "cross_entropy", 1, dynamic=True, argsets=argsets, **FP32)
+
+
+ONE_STEP_LEFT_ALONE = {
+    # name: (loss(lg, y), inputs, reason)
+    # the class dimension not at dim 1: (S, B, V) -> (V, B, S) reads the classes at dim 0
+    "permute_210_classes_at_0": (lambda lg, y: F.cross_entropy(lg.permute(2, 1, 0), y),
+                                 lambda: (torch.randn(S, B, D), torch.randint(0, B, (V, S))), "by (2, 1, 0)"),
+    # 4-D: (T, B, H, V) -> (B, T, V, H), the classes at dim 2
+    "permute_4d_classes_at_2": (lambda lg, y: F.cross_entropy(lg.permute(1, 0, 3, 2), y),
+                                lambda: (torch.randn(5, 2, 3, D), torch.randint(0, 5, (2, V, 3))),
+                                "by (1, 0, 3, 2)"),
+    # the rows regrouped by a reshape, then permuted with the class move: the permutation means other rows
+    "permute_120_after_regroup": (lambda lg, y: F.cross_entropy(lg.reshape(B, S, V).permute(1, 2, 0), y.t()),
+                                  _sf, "permuted by permute (permute) after reshape"),
+    # a row selection after the one-step permutation (classes at dim 1: it selects along d1)
+    "selection_after_permute_120": (lambda lg, y: F.cross_entropy(lg.permute(1, 2, 0)[..., :-1], y[:, 1:]),
+                                    _sf, "comes from getitem"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_STEP_LEFT_ALONE))
+def test_one_step_permutation_look_alikes_are_left_alone(name):
+    loss, inputs, reason = ONE_STEP_LEFT_ALONE[name]
     _left_alone(loss, inputs(), reason)
