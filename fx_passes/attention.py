@@ -3497,8 +3497,28 @@ def _rewrite_sdpa(graph: Graph, node: Node):
             raise _Skip("scale is neither a number nor a symbolic scalar")
     q_shape, k_shape, v_shape = _shape(q), _shape(k), _shape(v)
     ndim = len(q_shape)
-    if ndim not in (3, 4) or len(k_shape) != ndim or len(v_shape) != ndim:
+    if ndim < 3 or len(k_shape) != ndim or len(v_shape) != ndim:
         raise _Skip(f"{ndim}-d inputs; the flash op takes (B, H, S, D)")
+    merged_lead = None
+    if ndim > 4:
+        # More than two batch dims (timm Twins' LocallyGroupedAttn: (B, windows, heads, ws², d)): SDPA runs
+        # each (batch..., query) row over the keys of the same batch index, so the op runs on q, k, v
+        # flattened to (B, prod(rest), S, D) and its output is unflattened back, as the manual path does
+        # (_Layout._merge). Only where q, k, v hold every batch index themselves (no broadcast among them)
+        # and the mask, if any, broadcasts over every batch dim.
+        merged_lead = q_shape[:-2]
+        mask_shape = _shape(attn_mask) if isinstance(attn_mask, Node) else ()
+        if not (_same_dims(k_shape[:-2], merged_lead) and _same_dims(v_shape[:-2], merged_lead)):
+            raise _Skip(f"{ndim}-d inputs merged into the op's (B, H) only where q, k, v hold every batch "
+                        f"index (q {list(q_shape)}, k {list(k_shape)}, v {list(v_shape)})")
+        if enable_gqa:
+            raise _Skip(f"{ndim}-d inputs with enable_gqa")
+        if mask_shape is None or len(mask_shape) > 4 or not all(_holds(d == 1) for d in mask_shape[:-2]):
+            raise _Skip(f"{ndim}-d inputs merged into the op's (B, H) only with a mask that broadcasts over "
+                        f"every batch dim: attn_mask {list(mask_shape or [])}")
+        q_shape, k_shape, v_shape = ((s[0], _prod(s[1:-2])) + tuple(s[-2:])
+                                     for s in (q_shape, k_shape, v_shape))
+        ndim = 4
     if ndim == 3:
         q_shape, k_shape, v_shape = ((1,) + s for s in (q_shape, k_shape, v_shape))
     dtype = _dtype(q)
@@ -3563,6 +3583,14 @@ def _rewrite_sdpa(graph: Graph, node: Node):
             q, k, v = (insert_call(graph, torch.Tensor.to, (t, compute), like=node) for t in (q, k, v))
         if ndim == 3:
             q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
+        if merged_lead is not None:
+            # the sizes to unflatten the output with: q's own, symbolic ones read from it
+            merged_sizes = tuple(
+                d if isinstance(d, int)
+                else insert_call(graph, torch.ops.aten.sym_size.int, (q, i), like=node)
+                for i, d in enumerate(merged_lead) if i)
+            q, k, v = (insert_call(graph, torch.flatten, (t, 1, len(merged_lead) - 1), like=node)
+                       for t in (q, k, v))
         mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
         out = insert_call(
             graph,
@@ -3578,6 +3606,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         )
         if ndim == 3:
             out = insert_call(graph, torch.squeeze, (out, 0), like=node)
+        if merged_lead is not None:
+            out = insert_call(graph, torch.unflatten, (out, 1, merged_sizes), like=node)
         _settle(graph, before, node, {node})
         _check_kept_not_written(graph, before, node, {node}, node)
     except Exception:
@@ -3585,7 +3615,8 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         raise
     node.replace_all_uses_with(out)
     _erase_dead(graph, [node])
-    details = (["causal bottom-right, from attn_mask"] if causal_from_mask == BOTTOM_RIGHT else []) + (
+    details = ([f"{len(merged_lead) + 2}-d inputs merged to (B, H)"] if merged_lead is not None else []) + (
+        ["causal bottom-right, from attn_mask"] if causal_from_mask == BOTTOM_RIGHT else []) + (
         [f"causal from attn_mask, {masks.assumed_masked:.3g} taken as -inf"]
         if masks.assumed_masked is not None else []) + (["gqa: k/v un-repeated"] if unrepeated else [])
     record_rewrite(FAMILY, variant,

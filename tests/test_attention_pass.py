@@ -503,7 +503,10 @@ def test_sdpa_near_misses():
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, print_report=False
     )
     assert _rewrites() == (0, 1) and "head_dim" in report.near_misses[0].detail
-    q, k, v = (t.unsqueeze(0) for t in _qkv())  # 5-d: SDPA's math path takes it, the flash op does not
+    # 5-d with k / v broadcast over a batch dim: SDPA's math path takes it, the op does not (5-d q, k, v of
+    # the same batch dims are merged into (B, H): tests/test_attention_pass_s33b.py)
+    q = torch.cat([t.unsqueeze(0) for t in _qkv()[:1] * 2])
+    k, v = (t.unsqueeze(0) for t in _qkv()[1:])
     torch._dynamo.reset()
     counters.clear()
     fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
