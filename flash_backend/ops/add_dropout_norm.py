@@ -497,6 +497,10 @@ def _backward_with(ctx, dout, dresidual_out, add_dropout_norm_bwd_fn):
     """The input grads; dout and dresidual_out may be None (grads are not materialised, _setup_context)."""
     if not ctx.h_is_returned:
         dresidual_out = None
+    # Only the pre-norm sum reaches the loss (the norm's output is unused: LLaVA's penultimate-layer features
+    # leave the last layer's norm in the graph): the weight and bias get no gradient, None as in eager, not
+    # zeros (an optimizer updates a parameter whose grad is a tensor: AdamW's decay, its moments; review s33b)
+    norm_reached = dout is not None
     if dout is None:
         if dresidual_out is None:  # nothing reaches the loss
             return (None,) * 10
@@ -509,8 +513,8 @@ def _backward_with(ctx, dout, dresidual_out, add_dropout_norm_bwd_fn):
     return (
         dx.view(ctx.x_shape),
         dresidual.view(ctx.residual_shape) if ctx.has_residual else None,
-        dweight if weight is not None else None,
-        dbias if bias is not None else None,
+        dweight if weight is not None and norm_reached else None,
+        dbias if bias is not None and norm_reached else None,
         None, None, None, None, None, None,
     )
 
