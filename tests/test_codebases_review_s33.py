@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_codebases_review_s31 import TOL, _case, _check_block, _labels
+from test_codebases_review_s32 import _dynamic_check
 from test_norm_dense_ce_review_s25 import _run
 
 from flash_backend.backend import rewrite_only_backend
@@ -1842,22 +1843,9 @@ def test_dinov2_stochastic_depth_adds_a_random_subset_with_index_add():
     assert not report.near_misses, str(report)
 
 
-def _dynamic(model, argsets, train):
-    model.train(train)
-    torch._dynamo.reset()
-    counters.clear()
-    with collecting() as report:
-        compiled = torch.compile(model, backend=rewrite_only_backend, fullgraph=True, dynamic=True)
-        for args in argsets:
-            got, want = _run(compiled, args, train), _run(model, args, train)
-            for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g, w, **TOL, msg=lambda m: f"{m}\n{report}")
-    return report
-
-
 def test_espnet_conformer_under_dynamic_shapes():
     argsets = [(R(2, t, 12), _lens(t, t - 2)) for t in (5, 7, 9)]
-    report = _dynamic(WenetConformer(rel_pos=False, fill=None), argsets, True)
+    report = _dynamic_check(WenetConformer(rel_pos=False, fill=None), argsets, True)
     assert _ZEROED in str(report) and not report.near_misses, str(report)
     assert counters["flash"]["attention"] >= 2, str(report)
 
@@ -1865,5 +1853,5 @@ def test_espnet_conformer_under_dynamic_shapes():
 def test_maxvit_attention2d_under_dynamic_shapes():
     """The window is fixed by the position bias table (3 x 3): the batch varies."""
     argsets = [(R(b, 3, 9, 9), _labels(b)) for b in (2, 3, 5)]
-    report = _dynamic(MaxxVitTiny(), argsets, True)
+    report = _dynamic_check(MaxxVitTiny(), argsets, True)
     assert counters["flash"]["attention"] >= 2, str(report)

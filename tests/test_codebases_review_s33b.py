@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_codebases_review_s31 import TOL, _case, _check_block, _labels
+from test_codebases_review_s32 import _dynamic_check
 from test_norm_dense_ce_review_s25 import _run
 
 from flash_backend.backend import rewrite_only_backend
@@ -2077,25 +2078,12 @@ def test_fused_norm_weight_grad_is_none_when_only_the_residual_reaches_the_loss(
     assert model.ln.weight.grad is None and model.ln.bias.grad is None  # eager: None (zeros before U1's fix)
 
 
-def _dynamic(model, argsets, train):
-    model.train(train)
-    torch._dynamo.reset()
-    counters.clear()
-    with collecting() as report:
-        compiled = torch.compile(model, backend=rewrite_only_backend, fullgraph=True, dynamic=True)
-        for args in argsets:
-            got, want = _run(compiled, args, train), _run(model, args, train)
-            for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g, w, **TOL, msg=lambda m: f"{m}\n{report}")
-    return report
-
-
 def test_musicgen_streaming_under_dynamic_shapes():
     """The new steps and the past vary: the arange-built mask is symbolic (bottom-right causal, the band)."""
     model = MusicGenLMTiny(past_context=3)
     argsets = [(torch.randint(0, 9, (2, 2, s)), R(2, 4, 16), R(2, p, 2, 8), R(2, p, 2, 8))
                for s, p in ((3, 5), (4, 6), (6, 9))]
-    report = _dynamic(model, argsets, True)
+    report = _dynamic_check(model, argsets, True)
     assert counters["flash"]["attention"] >= 2 and not report.near_misses, str(report)
 
 
@@ -2103,5 +2091,5 @@ def test_diffusers_transformer2d_under_dynamic_shapes():
     """The text length varies (the encoder_attention_mask with it); eval."""
     model = DiffusersTransformer2DModel()
     argsets = [(R(2, 16, 3, 3), R(2, n, 12), _keep(2, n, 2)) for n in (5, 7, 10)]
-    report = _dynamic(model, argsets, False)
+    report = _dynamic_check(model, argsets, False)
     assert counters["flash"]["attention"] >= 2 and not report.near_misses, str(report)
