@@ -2785,6 +2785,18 @@ def _causal_detail(causal) -> str:
     return "causal bottom-right (Sk - Sq keys ahead)" if causal == BOTTOM_RIGHT else "causal"
 
 
+def _merge_batch_dims(graph: Graph, q: Node, tensors, lead, like: Node) -> tuple[list[Node], tuple]:
+    """tensors (q, k, v) of batch dims lead (more than two: Hiera's mask units, Twins' windows) flattened
+    over the dims after the first, for the op's (B, H); and the sizes to unflatten its output with (dim 1),
+    q's own: symbolic ones read from q. Shared by the manual path (_Layout._merge) and SDPA's
+    (_rewrite_sdpa)."""
+    sizes = tuple(d if isinstance(d, int) else insert_call(graph, torch.ops.aten.sym_size.int, (q, i),
+                                                           like=like)
+                  for i, d in enumerate(lead) if i)
+    last = len(lead) - 1
+    return [insert_call(graph, torch.flatten, (t, 1, last), like=like) for t in tensors], sizes
+
+
 class _Layout:
     """One (batch, head) layout for the op when the scores were reshaped between q·kᵀ and ·v.
 
@@ -2922,14 +2934,8 @@ class _Layout:
     def inputs(self, graph, q_in, k_in, v_in, like):
         """q, k, v (and the masks, in place) in the op's layout."""
         if self.merged:
-            # the sizes to unflatten the output with: q's own, symbolic ones read from it
-            self.merged_sizes = tuple(
-                d if isinstance(d, int) else insert_call(graph, torch.ops.aten.sym_size.int, (q_in, i),
-                                                         like=like)
-                for i, d in enumerate(self.qk_lead) if i)
-            last = len(self.qk_lead) - 1
-            q_in, k_in, v_in = (insert_call(graph, torch.flatten, (t, 1, last), like=like)
-                                for t in (q_in, k_in, v_in))
+            (q_in, k_in, v_in), self.merged_sizes = _merge_batch_dims(graph, q_in, (q_in, k_in, v_in),
+                                                                      self.qk_lead, like)
         if self.convert_qk:
             q_in, k_in = (self._to_canon(graph, t, self.qk_lead, None, like) for t in (q_in, k_in))
         if self.convert_pv:
@@ -3584,13 +3590,7 @@ def _rewrite_sdpa(graph: Graph, node: Node):
         if ndim == 3:
             q, k, v = (insert_call(graph, torch.unsqueeze, (t, 0), like=node) for t in (q, k, v))
         if merged_lead is not None:
-            # the sizes to unflatten the output with: q's own, symbolic ones read from it
-            merged_sizes = tuple(
-                d if isinstance(d, int)
-                else insert_call(graph, torch.ops.aten.sym_size.int, (q, i), like=node)
-                for i, d in enumerate(merged_lead) if i)
-            q, k, v = (insert_call(graph, torch.flatten, (t, 1, len(merged_lead) - 1), like=node)
-                       for t in (q, k, v))
+            (q, k, v), merged_sizes = _merge_batch_dims(graph, q, (q, k, v), merged_lead, node)
         mask, causal_from_mask = masks.build(graph, node, scores_shape[2], scores_shape[3])
         out = insert_call(
             graph,
