@@ -50,6 +50,7 @@ if GLUON_AVAILABLE:
         STAT_LAYOUT,
         _block_stats,
         _key_block,
+        _query_stats,
         _tma_add_shared_to_global,
     )
 
@@ -74,9 +75,14 @@ if GLUON_AVAILABLE:
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0, 0], kv_bar, k_tile.index(0))
         tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0, 0], kv_bar, v_tile.index(0))
+        g = 0  # the GQA group's head and its query block, counted (_consumer_256 says why)
+        j = 0
         for it in range(group * n_q_blocks):
-            head = kv_head * group + it // n_q_blocks
-            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
+            head = kv_head * group + g
+            m0 = (q_block_start + j) * BLOCK_M
+            head_ends = j + 1 == n_q_blocks
+            g = g + head_ends.to(gl.int32)
+            j = gl.where(head_ends, 0, j + 1)
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             q_stage = it % Q_ST
             mbarrier.wait(q_empty.index(q_stage), ((it // Q_ST) & 1) ^ 1)
@@ -139,9 +145,17 @@ if GLUON_AVAILABLE:
         stat_cols = c0 + gl.arange(0, COLS, layout=STAT_LAYOUT)
         lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
                                               seq_q, BLOCK_M, stat_cols)
+        # The head g of the GQA group and its query block j are counted, not derived from `it` (a 32-bit
+        # division and remainder an iteration; nested loops over g and j, as the head_dim 64 / 128 kernel
+        # runs, spilled 500+ more bytes here)
+        g = 0
+        j = 0
         for it in range(n_iter):
-            head = kv_head * group + it // n_q_blocks
-            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
+            head = kv_head * group + g
+            m0 = (q_block_start + j) * BLOCK_M
+            head_ends = j + 1 == n_q_blocks
+            g = g + head_ends.to(gl.int32)
+            j = gl.where(head_ends, 0, j + 1)
             q_stage = it % Q_ST
             do_stage = it % DO_ST
             q_smem = q_bufs.index(q_stage).reshape([BLOCK_M, HEAD_DIM])
@@ -155,8 +169,8 @@ if GLUON_AVAILABLE:
             queries = m0 + c0 + gl.arange(0, COLS, layout=col_layout)
             lse = gl.convert_layout(lse_ahead, col_layout)
             delta = gl.convert_layout(delta_ahead, col_layout)
-            lse_ahead, delta_ahead = _block_stats(LSE, DELTA, it + 1, n_iter, first_row, q_block_start,
-                                                  n_q_blocks, seq_q, BLOCK_M, stat_cols)
+            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + g, seq_q,
+                                                  (q_block_start + j) * BLOCK_M + stat_cols, it + 1 < n_iter)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
