@@ -51,13 +51,30 @@ def test_kernel_compiles_for_sm90(head_dim, causal, dtype):
                         "cp.reduce.async.bulk.tensor"):
         assert instruction in ptx, instruction
     assert kernel.metadata.shared <= 227 * 1024
+    spills, report = _ptxas_spills(ptx)
+    assert spills <= SPILL_LIMIT[head_dim], report
+
+
+def _ptxas_spills(ptx: str) -> tuple[int, str]:
+    """Bytes of spill stores ptxas reports for this PTX at sm_90a, and its report."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx_file = Path(tmp) / "k.ptx"
         ptx_file.write_text(ptx)
         command = [str(ptxas), "-v", "-arch=sm_90a", str(ptx_file), "-o", str(Path(tmp) / "k.cubin")]
         report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1)), report
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_staggered_kernel_compiles_for_sm90(head_dim):
+    """The variant whose CTAs start at a query block of their own (STAGGER: non-causal calls from
+    STAGGER_MIN_SEQ_K keys) lowers to sm_90 code within shared memory and the spill limit too."""
+    if not hopper_bwd.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API: every call takes the Triton backward")
+    kernel = hopper_bwd.compile_sm90(head_dim, "bf16", False, stagger=True)
+    assert kernel.metadata.shared <= 227 * 1024
+    spills, report = _ptxas_spills(kernel.asm["ptx"])
     assert spills <= SPILL_LIMIT[head_dim], report
 
 
@@ -207,6 +224,9 @@ CUDA_CASES = {
     # causal GQA: each head of the group starts with its diagonal blocks (masked), then the rest (not)
     "d64_long_causal_odd_gqa": (1, 4, 2, 1100, 1100, 64, True, False),
     "gqa4_causal_odd": (1, 8, 2, 333, 333, 128, True, False),
+    # from STAGGER_MIN_SEQ_K keys the non-causal CTAs start at a query block of their own, going round
+    "d128_staggered_short_q_gqa": (1, 4, 2, 300, 4200, 128, False, False),
+    "d64_staggered_odd_bshd": (1, 2, 2, 4100, 4100, 64, False, True),
     "d256_odd": (2, 4, 4, 1000, 1000, 256, False, False),
     "d256_causal_odd_gqa": (2, 6, 2, 517, 517, 256, True, False),
     "d256_sq_ne_sk_bshd": (2, 4, 4, 97, 3000, 256, False, True),

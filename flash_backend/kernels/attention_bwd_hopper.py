@@ -102,6 +102,12 @@ SHORT_SEQ_Q = 1024
 # head_dim 256 has a kernel of its own (kernels/attention_bwd_hopper_256.py: the warpgroups split head_dim,
 # not the keys); its config is the depth of its Q and dO rings
 HEAD_DIMS = (*CONFIGS, 256)
+# Without causal masking, from this many keys each CTA starts at a query block of its own (_first_block's
+# STAGGER; the head_dim 256 kernel always does): 4,32/8,4096,128 1.08x, 4,16,4096,128 1.02x, 2,16,8192 at 64
+# and 128 1.00x; below it 0.98-0.99x at 16,16,1024 and 8,16,2048 (the CTAs running at once read their Q and
+# dO tiles from L2 less often in step), with the padding mask 1.00x (bench/logs/attention_bwd_stagger_s34_
+# h200.log; head_dim 256 1.04x at 4096 keys, 1.06x at 16384)
+STAGGER_MIN_SEQ_K = 4096
 # Causal head_dim 64 below 2048 query rows: the Triton backward's GPU time was shorter (16,16,1024: the Gluon
 # one 0.97x its speed, bench/logs/attention_gluon_bwd_probe_h200.log), and the Gluon launch costs more host
 # time (seven TMA descriptors): that row's eager fwd+bwd fell from 0.46x to 0.37x cuDNN (attention.json at
@@ -155,19 +161,21 @@ if GLUON_AVAILABLE:
         return lse, delta
 
     @gluon.jit
-    def _block_stats(LSE, DELTA, it, n_iter, first_row, q_block_start, n_q_blocks, seq_q,
-                     BLOCK_M: gl.constexpr, cols):
-        """_query_stats of iteration it's query block (the group's heads in turn from first_row, each over
-        n_q_blocks blocks from q_block_start) at these columns of it, in a compact layout (one value a thread:
-        the consumers load each block's an iteration ahead, then convert them to wgmma's layout); none past
-        the last iteration (n_q_blocks may be 0 only where n_iter is: it = 0, a quotient of 0, nothing
-        loaded). Shared by both Gluon backwards."""
-        return _query_stats(LSE, DELTA, first_row + it // n_q_blocks, seq_q,
-                            (q_block_start + it % n_q_blocks) * BLOCK_M + cols, it < n_iter)
+    def _first_block(key_block, n_q_blocks, STAGGER: gl.constexpr):
+        """The query block (counted from _key_block's q_block_start) at which a CTA starts each head of its
+        GQA group, going round to the block before it: with STAGGER key block i starts at block i mod
+        n_q_blocks, so that the CTAs of one head running at once add their dQ tiles into different rows
+        instead of all into the same rows in step; else at block 0 (causal CTAs start at their diagonal,
+        already apart). Shared by both Gluon backwards."""
+        if STAGGER:
+            return key_block % gl.maximum(n_q_blocks, 1)
+        else:
+            return 0
 
     @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
-                  do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
+                  do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks,
+                  first_block):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = q_bufs.type.shape[0]
@@ -177,9 +185,17 @@ if GLUON_AVAILABLE:
             coord = [batch, kv_head, n0 + w * KEYS, 0]
             tma.async_copy_global_to_shared(k_desc, coord, kv_bar, k_tiles.index(w))
             tma.async_copy_global_to_shared(v_desc, coord, kv_bar, v_tiles.index(w))
+        # the consumers' order (_consumer): head g of the GQA group, its blocks from first_block round
+        g = 0
+        j = 0
+        block = first_block
         for it in range(group * n_q_blocks):
-            head = kv_head * group + it // n_q_blocks
-            m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
+            head = kv_head * group + g
+            m0 = (q_block_start + block) * BLOCK_M
+            head_ends = j + 1 == n_q_blocks
+            g = g + head_ends.to(gl.int32)
+            j = gl.where(head_ends, 0, j + 1)
+            block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
             stage = it % STAGES
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             empty_phase = ((it // STAGES) & 1) ^ 1
@@ -193,15 +209,16 @@ if GLUON_AVAILABLE:
                                             do_bufs.index(stage))
 
     @gluon.jit
-    def _query_block(WG: gl.constexpr, it, g, j, CAUSAL: gl.constexpr, dk, dv, lse_ahead, delta_ahead,
-                     dq_desc, q_bufs, do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles,
-                     q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys,
-                     first_key, stat_cols, first_row, batch, kv_head, group, num_heads, q_block_start,
-                     n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0,
-                     zero_s, zero_dq, HAS_MASK: gl.constexpr):
-        """Iteration `it` of consumer WG's loop (_consumer): query block j (from q_block_start) of the GQA
-        group's head g, its products against this warpgroup's keys, dK and dV added to, dQ added into
-        dq_desc's buffer. Returns dK, dV and the next iteration's query statistics."""
+    def _query_block(WG: gl.constexpr, it, g, j, block, next_block, CAUSAL: gl.constexpr, dk, dv,
+                     lse_ahead, delta_ahead, dq_desc, q_bufs, do_bufs, k_smem, v_smem, k0_cols, k1_cols,
+                     ds_bufs, dq_smem, dq_tiles, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
+                     LSE, DELTA, BIAS, keys, first_key, stat_cols, first_row, batch, kv_head, group,
+                     num_heads, q_block_start, n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len,
+                     mask_row_b, mask_row_h, dq_col0, zero_s, zero_dq, HAS_MASK: gl.constexpr):
+        """Iteration `it` of consumer WG's loop (_consumer): the j-th query block the GQA group's head g
+        visits, `block` (from q_block_start; the next head's or this head's next one is `next_block`), its
+        products against this warpgroup's keys, dK and dV added to, dQ added into dq_desc's buffer.
+        Returns dK, dV and the next iteration's query statistics."""
         dtype: gl.constexpr = q_bufs.dtype
         BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -211,7 +228,7 @@ if GLUON_AVAILABLE:
         col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # one value per query
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         head = kv_head * group + g
-        m0 = (q_block_start + j) * BLOCK_M
+        m0 = (q_block_start + block) * BLOCK_M
         stage = it % STAGES
         phase = (it // STAGES) & 1
         q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -219,11 +236,11 @@ if GLUON_AVAILABLE:
         lse = gl.convert_layout(lse_ahead, col_layout)
         delta = gl.convert_layout(delta_ahead, col_layout)
         # the next iteration's (the next head's first block after this head's last), whose load then has
-        # this iteration to arrive; no division (_block_stats') in the loop
+        # this iteration to arrive
         head_ends = j + 1 == n_q_blocks
-        next_block = gl.where(head_ends, q_block_start, q_block_start + j + 1)
         lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + g + head_ends.to(gl.int32), seq_q,
-                                              next_block * BLOCK_M + stat_cols, it + 1 < n_iter)
+                                              (q_block_start + next_block) * BLOCK_M + stat_cols,
+                                              it + 1 < n_iter)
         # The products start from -lse / qk_scale and -delta instead of zero, so that
         #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
         # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T
@@ -299,8 +316,9 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs,
                   dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA,
-                  BIAS, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
-                  scale, bias_len, mask_row_b, mask_row_h, CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr):
+                  BIAS, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, first_block, seq_q,
+                  qk_scale, scale, bias_len, mask_row_b, mask_row_h, CAUSAL: gl.constexpr,
+                  HAS_MASK: gl.constexpr, STAGGER: gl.constexpr):
         """Consumer warpgroup WG: keys n0 + WG * KEYS onwards."""
         dtype: gl.constexpr = q_bufs.dtype
         BLOCK_M: gl.constexpr = q_bufs.type.shape[3]  # q_bufs: [STAGES, 1, 1, BLOCK_M, HEAD_DIM]
@@ -343,22 +361,32 @@ if GLUON_AVAILABLE:
         n_iter = group * n_q_blocks
         first_row = batch * num_heads + kv_head * group  # of LSE / DELTA: the group's first query head
         stat_cols = gl.arange(0, BLOCK_M, layout=stat_layout)
-        lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
-                                              seq_q, BLOCK_M, stat_cols)
-        # Iteration `it` = g * n_q_blocks + j: the GQA group's head g, its query block j (the rings' stages
-        # and phases count iterations). Two loops rather than one over `it`, so that no iteration divides
-        # by n_q_blocks (the head and the block of `it` and of the next one): 1.03-1.11x the kernel that
-        # did (bench/logs/attention_bwd_peel_s33_h200.log). The causal diagonal's blocks in a loop of their
+        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
+                                              (q_block_start + first_block) * BLOCK_M + stat_cols, n_iter > 0)
+        # Iteration `it` = g * n_q_blocks + j: the GQA group's head g, the j-th of its query blocks, which
+        # run from first_block round to the one before it (the rings' stages and phases count iterations).
+        # Two loops rather than one over `it`, so that no iteration divides by n_q_blocks (the head and the
+        # block of `it` and of the next one): 1.03-1.11x the kernel that did
+        # (bench/logs/attention_bwd_peel_s33_h200.log). The causal diagonal's blocks in a loop of their
         # own and the rest without the masking code (as the forward does: two copies of the body) measured
         # 0.92-0.96x (attention_bwd_peel_causal_s33_h200.log).
         for g in range(group):
+            block = first_block
             for j in range(n_q_blocks):
+                if STAGGER:
+                    next_block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
+                else:  # the same blocks in order, without a block count carried through the loop
+                    block = j
+                    next_block = gl.where(j + 1 == n_q_blocks, 0, j + 1)
                 dk, dv, lse_ahead, delta_ahead = _query_block(
-                    WG, g * n_q_blocks + j, g, j, CAUSAL, dk, dv, lse_ahead, delta_ahead, dq_desc, q_bufs,
-                    do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles, q_ready, q_empty,
-                    do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys, first_key, stat_cols,
-                    first_row, batch, kv_head, group, num_heads, q_block_start, n_q_blocks, n_iter, seq_q,
-                    qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0, zero_s, zero_dq, HAS_MASK)
+                    WG, g * n_q_blocks + j, g, j, block, next_block, CAUSAL, dk, dv, lse_ahead, delta_ahead,
+                    dq_desc, q_bufs, do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles,
+                    q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys,
+                    first_key, stat_cols, first_row, batch, kv_head, group, num_heads, q_block_start,
+                    n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0,
+                    zero_s, zero_dq, HAS_MASK)
+                if STAGGER:
+                    block = next_block
 
         # dV leaves through this warpgroup's V tile (no one else reads it); TMA clips keys past seq_k
         v_smem.store(dv.to(dtype))
@@ -378,11 +406,12 @@ if GLUON_AVAILABLE:
     def _attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
                                      BIAS, KEY_RANGE, seq_q, num_heads, group, qk_scale, scale, bias_len,
                                      mask_row_b, mask_row_h, rows_per_group, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
+                                     CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, STAGGER: gl.constexpr,
                                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """HAS_MASK: a padding mask as the forward takes it (attention_fwd_hopper.padding_mask_args: bias
-        rows and live key ranges), not with CAUSAL."""
+        rows and live key ranges), not with CAUSAL. STAGGER: _first_block's, not with CAUSAL."""
         gl.static_assert(not (HAS_MASK and CAUSAL), "a padding mask runs without causal masking")
+        gl.static_assert(not (STAGGER and CAUSAL), "causal CTAs start at their diagonal")
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(2 * KEYS, num_heads, group, seq_q, BLOCK_M,
@@ -397,6 +426,7 @@ if GLUON_AVAILABLE:
                 live_heads += live.to(gl.int32)
             if live_heads == 0:
                 n_q_blocks = 0
+        first_block = _first_block(n0 // (2 * KEYS), n_q_blocks, STAGGER)
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
@@ -428,14 +458,15 @@ if GLUON_AVAILABLE:
         gl.warp_specialize([
             (_consumer, (0, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
                          q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, BIAS,
-                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
-                         scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK)),
+                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, first_block, seq_q,
+                         qk_scale, scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK, STAGGER)),
             (_consumer, (1, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tiles, v_tiles, ds_bufs, dq_tiles,
                          q_ready, q_empty, do_ready, do_empty, kv_bar, ds_ready, ds_empty, LSE, DELTA, BIAS,
-                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q, qk_scale,
-                         scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK)),
+                         batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, first_block, seq_q,
+                         qk_scale, scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK, STAGGER)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
-                         do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks)),
+                         do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks,
+                         first_block)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -473,9 +504,10 @@ def _dq_tile(block_m: int, head_dim: int):
     return block, gl.NVMMASharedLayout.get_default_for(block, gl.float32)
 
 
-def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None, mask: bool = False):
+def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None, mask: bool = False,
+                 stagger: bool = False):
     """The kernel compiled ahead of time for sm_90, no GPU needed (the CPU tests' check of it); mask: the
-    padding-mask variant (head_dim 64 / 128)."""
+    padding-mask variant (head_dim 64 / 128); stagger: _first_block's (head_dim 64 / 128, not causal)."""
     if head_dim == 256:
         if mask:
             raise ValueError("compile_sm90: the head_dim 256 backward takes no padding mask")
@@ -488,7 +520,7 @@ def compile_sm90(head_dim: int, dtype: str, causal: bool, config=None, mask: boo
              ("v_desc", KEYS_PER_CONSUMER, head_dim), ("do_desc", block_m, head_dim),
              ("dk_desc", KEYS_PER_CONSUMER, head_dim), ("dv_desc", KEYS_PER_CONSUMER, head_dim)]
     return compile_gluon_bwd_sm90(_attention_bwd_hopper_kernel, dtype, tiles, _dq_tile(block_m, head_dim),
-                                  dict(STAGES=stages, CAUSAL=causal, HAS_MASK=mask))
+                                  dict(STAGES=stages, CAUSAL=causal, HAS_MASK=mask, STAGGER=stagger))
 
 
 def compile_gluon_bwd_sm90(kernel, dtype: str, tiles, dq_tile, constexprs: dict):
@@ -564,6 +596,7 @@ def attention_backward_hopper_launch(dout, q, k, v, out, lse, scale, causal, dq,
             _descriptor(dout, block_m), _descriptor(dk, KEYS_PER_CONSUMER),
             _descriptor(dv, KEYS_PER_CONSUMER), dq_desc, lse, delta, bias, key_ranges, Sq, H, H // Hkv,
             scale * LOG2E, scale, *mask_ints, rows_per_group, STAGES=stages, CAUSAL=causal, HAS_MASK=has_mask,
-            PRODUCER_REGS=_PRODUCER_REGS, CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
+            STAGGER=not causal and Sk >= STAGGER_MIN_SEQ_K, PRODUCER_REGS=_PRODUCER_REGS,
+            CONSUMER_REGS=_CONSUMER_REGS, num_warps=4, maxnreg=_MAXNREG,
         )
     dq.copy_(dq_acc.view(B, H, Sq, D))

@@ -48,7 +48,7 @@ if GLUON_AVAILABLE:
 
     from flash_backend.kernels.attention_bwd_hopper import (
         STAT_LAYOUT,
-        _block_stats,
+        _first_block,
         _key_block,
         _query_stats,
         _tma_add_shared_to_global,
@@ -68,21 +68,24 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer_256(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tile, v_tile, q_ready, q_empty,
-                      do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks):
+                      do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks,
+                      first_block):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         Q_ST: gl.constexpr = q_bufs.type.shape[0]
         DO_ST: gl.constexpr = do_bufs.type.shape[0]
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0, 0], kv_bar, k_tile.index(0))
         tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0, 0], kv_bar, v_tile.index(0))
-        g = 0  # the GQA group's head and its query block, counted (_consumer_256 says why)
+        g = 0  # the consumers' order, counted (_consumer_256 says why)
         j = 0
+        block = first_block
         for it in range(group * n_q_blocks):
             head = kv_head * group + g
-            m0 = (q_block_start + j) * BLOCK_M
+            m0 = (q_block_start + block) * BLOCK_M
             head_ends = j + 1 == n_q_blocks
             g = g + head_ends.to(gl.int32)
             j = gl.where(head_ends, 0, j + 1)
+            block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             q_stage = it % Q_ST
             mbarrier.wait(q_empty.index(q_stage), ((it // Q_ST) & 1) ^ 1)
@@ -98,8 +101,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer_256(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tile, v_tile, pt_tile,
                       dst_tile, dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, pds_ready, pds_empty,
-                      LSE, DELTA, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks, seq_q,
-                      qk_scale, scale, CAUSAL: gl.constexpr):
+                      LSE, DELTA, batch, kv_head, group, num_heads, n0, q_block_start, n_q_blocks,
+                      first_block, seq_q, qk_scale, scale, CAUSAL: gl.constexpr):
         """Consumer warpgroup WG: query columns [32 WG, 32 WG + 32) of S^T, head_dim columns
         [128 WG, 128 WG + 128) of dK, dV and dQ."""
         dtype: gl.constexpr = q_bufs.dtype
@@ -143,19 +146,22 @@ if GLUON_AVAILABLE:
         # attention_gluon_bwd_acc_init_ab_s30_h200.log)
         first_row = batch * num_heads + kv_head * group
         stat_cols = c0 + gl.arange(0, COLS, layout=STAT_LAYOUT)
-        lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start, n_q_blocks,
-                                              seq_q, BLOCK_M, stat_cols)
-        # The head g of the GQA group and its query block j are counted, not derived from `it` (a 32-bit
+        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
+                                              (q_block_start + first_block) * BLOCK_M + stat_cols, n_iter > 0)
+        # The head g of the GQA group, the count j of its query blocks and the block itself (from
+        # first_block round to the one before it: _first_block) are counted, not derived from `it` (a 32-bit
         # division and remainder an iteration; nested loops over g and j, as the head_dim 64 / 128 kernel
         # runs, spilled 500+ more bytes here)
         g = 0
         j = 0
+        block = first_block
         for it in range(n_iter):
             head = kv_head * group + g
-            m0 = (q_block_start + j) * BLOCK_M
+            m0 = (q_block_start + block) * BLOCK_M
             head_ends = j + 1 == n_q_blocks
             g = g + head_ends.to(gl.int32)
             j = gl.where(head_ends, 0, j + 1)
+            block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
             q_stage = it % Q_ST
             do_stage = it % DO_ST
             q_smem = q_bufs.index(q_stage).reshape([BLOCK_M, HEAD_DIM])
@@ -170,7 +176,8 @@ if GLUON_AVAILABLE:
             lse = gl.convert_layout(lse_ahead, col_layout)
             delta = gl.convert_layout(delta_ahead, col_layout)
             lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + g, seq_q,
-                                                  (q_block_start + j) * BLOCK_M + stat_cols, it + 1 < n_iter)
+                                                  (q_block_start + block) * BLOCK_M + stat_cols,
+                                                  it + 1 < n_iter)
 
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_smem, q_cols))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
@@ -238,6 +245,7 @@ if GLUON_AVAILABLE:
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         n0, batch, kv_head, q_block_start, n_q_blocks = _key_block(KEYS, num_heads, group, seq_q, BLOCK_M,
                                                                    CAUSAL, rows_per_group)
+        first_block = _first_block(n0 // KEYS, n_q_blocks, not CAUSAL)  # (kernels/attention_bwd_hopper.py)
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [DO_STAGES] + do_desc.block_type.shape,
@@ -271,14 +279,14 @@ if GLUON_AVAILABLE:
             (_consumer_256, (0, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tile, v_tile, pt_tile,
                              dst_tile, dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, pds_ready,
                              pds_empty, LSE, DELTA, batch, kv_head, group, num_heads, n0, q_block_start,
-                             n_q_blocks, seq_q, qk_scale, scale, CAUSAL)),
+                             n_q_blocks, first_block, seq_q, qk_scale, scale, CAUSAL)),
             (_consumer_256, (1, dk_desc, dv_desc, dq_desc, q_bufs, do_bufs, k_tile, v_tile, pt_tile,
                              dst_tile, dq_tiles, q_ready, q_empty, do_ready, do_empty, kv_bar, pds_ready,
                              pds_empty, LSE, DELTA, batch, kv_head, group, num_heads, n0, q_block_start,
-                             n_q_blocks, seq_q, qk_scale, scale, CAUSAL)),
+                             n_q_blocks, first_block, seq_q, qk_scale, scale, CAUSAL)),
             (_producer_256, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tile, v_tile, q_ready,
                              q_empty, do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start,
-                             n_q_blocks)),
+                             n_q_blocks, first_block)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
