@@ -1097,6 +1097,20 @@ def _reaches_matmul(node, depth: int = 16, seen: set | None = None) -> bool:
     return False
 
 
+def _residual_scores_operands(add: Node, a, b) -> tuple[bool, bool]:
+    """(a is the scores, b is) for `a + b` when both reach a q·kᵀ: residual attention (RealFormer, PatchTST's
+    res_attention: ``s + prev``, the previous layer's raw scores, which its own softmax also reads). The
+    operand that this add alone reads is the scores; the other, read elsewhere too, was computed anyway and
+    is an additive mask (one that may require grad). softmax(a + b) is the same function whichever is called
+    the mask; what decides is that the op computes only a q·kᵀ nothing else reads (the walk still checks
+    every intermediate of the chain it takes). Both read elsewhere, or neither: no way to tell, (False,
+    False)."""
+    shared = [n for n in (a, b) if not (isinstance(n, Node) and set(n.users) == {add})]
+    if len(shared) != 1:
+        return False, False
+    return shared[0] is b, shared[0] is a
+
+
 def _masked_or_zero_value(v, factor: float) -> bool:
     """v (a number or a constant tensor) is 0 or a masked-out value, also once multiplied by factor > 0."""
     t = torch.as_tensor(v, dtype=torch.float64)
@@ -1470,6 +1484,10 @@ class _Candidate:
         # masked_fill(p, m, 0) nodes after the softmax, m a condition the scores were masked_fill'ed with
         # (ESPnet / wenet's forward_attention): the op's own zeros at the masked keys (_zeroed_at_mask)
         self.zeroed: list[Node] = []
+        # (m, number of probability views seen before it) of each masked_fill(p, m, 0) after the softmax with
+        # m constant along the key dim: whole query rows zeroed, which the op's output takes instead
+        # (_zeroed_rows; Flamingo's text before any image)
+        self.zeroed_rows: list[tuple[Node, int]] = []
         self.batch_dims = 2
         self.variant = "matmul"
         # Leading-dim reshapes seen through, each list ordered outwards from q·kᵀ: on the scores (before
@@ -1557,6 +1575,20 @@ def _fill_value(fill) -> float | None:
     if value is not None and math.isnan(value):
         return None  # NaN masks nothing: eager's softmax gives NaN on every row it reaches
     return value
+
+
+def _unknown_fill(fill) -> str:
+    """Why a fill's value is unknown, for the report: a value read from a graph input (a registered buffer,
+    old GPT-2's and the Decision Transformer's ``self.masked_bias.to(w.dtype)``) is not read at compile
+    time, as masks from graph inputs are not: it may change between calls with no recompile."""
+    node = fill
+    passthrough = _CASTS + _IDENTITY + _RESHAPES
+    while isinstance(node, Node) and node.op != "placeholder" and op_name(node) in passthrough:
+        node = node.args[0]
+    if isinstance(node, Node) and node.op == "placeholder":
+        return (f" (it is read from the graph input '{node.name}', a buffer or parameter whose value may "
+                "change between calls)")
+    return ""
 
 
 def _over_last_dim_keepdim(node: Node, ndim: int) -> bool:
@@ -2174,6 +2206,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
         if name == "add" and _operands(x) is not None:
             a, b = _operands(x)
             ra, rb = _reaches_matmul(a), _reaches_matmul(b)
+            if ra and rb:
+                ra, rb = _residual_scores_operands(x, a, b)
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the mask in '{x.name}'")
             alpha = x.kwargs.get("alpha", 1)
@@ -2236,7 +2270,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             cond, fill, scores = arg(x, 1, "mask"), arg(x, 2, "value"), arg(x, 0, "input")
             value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
-                raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant")
+                raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant"
+                            + _unknown_fill(fill))
             if math.isfinite(value):
                 cand.finite_fills.append(value)
             else:
@@ -2256,7 +2291,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             scores, fill = (a, b) if ra else (b, a)
             value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
-                raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant")
+                raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant"
+                            + _unknown_fill(fill))
             if not _same_dims(_shape(x) or (), _shape(scores) or ()):
                 raise _Skip(f"torch.where '{x.name}' broadcasts the scores {list(_shape(scores) or [])} to "
                             f"{list(_shape(x) or [])}")
@@ -2579,6 +2615,48 @@ def _zeroed_at_mask(cand: _Candidate, node: Node, probs: Node) -> bool:
         _shape(node) or (), _shape(probs) or ())
 
 
+def _zeroed_rows(node: Node, probs: Node) -> Node | None:
+    """m when node is ``probs.masked_fill(m, 0)`` with m a bool tensor constant along the key dim (last dim
+    1) that fits the probabilities: whole query rows zeroed (Flamingo / OpenFlamingo's text before any
+    image, ``attn.masked_fill(text_time == 0 [b 1 i 1], 0.)``); else None.
+
+    A zero row of the probabilities is a zero row of probabilities·v, exactly, whatever v holds, and neither
+    passes a gradient (masked_fill passes none to the filled entries): the same function as the op's output
+    with those rows zeroed, which is what the rewrite computes (the fill moved after the op). Casts and
+    dropout between the zeroing and ·v keep zeros zero; a view of the probabilities after it, or an output
+    laid out otherwise than the probabilities, is refused where the op is emitted (_check_zeroed_rows)."""
+    if op_name(node) != "masked_fill" or arg(node, 0, "input") is not probs or len(node.args) + len(
+            node.kwargs) != 3:
+        return None
+    cond, fill = arg(node, 1, "mask"), arg(node, 2, "value")
+    if not isinstance(cond, Node) or not is_number(fill) or isinstance(fill, bool) or fill != 0:
+        return None
+    shape, probs_shape = _shape(cond), _shape(probs)
+    if (
+        not shape
+        or probs_shape is None
+        or _dtype(cond) != torch.bool
+        or shape[-1] != 1
+        or not _fits(shape, probs_shape)
+        or not _same_dims(_shape(node) or (), probs_shape)
+    ):
+        return None
+    return cond
+
+
+def _check_zeroed_rows(cand: _Candidate):
+    """The rows zeroed after the softmax (_zeroed_rows) are rows of the op's output in the layout ·v gives:
+    no view of the probabilities after the zeroing, ·v not reading them transposed, no output permute."""
+    for cond, views in cand.zeroed_rows:
+        if (
+            views != len(cand.prob_views)
+            or cand.probs_swap is not None
+            or (cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm))
+        ):
+            raise _Skip(f"the rows zeroed by '{cond.name}' after the softmax are not rows of the output as "
+                        "·v lays it out")
+
+
 def _probs_side(cand: _Candidate, softmax: Node) -> tuple[Node, Node]:
     """Walk from softmax up to the ·v matmul; returns it and the probabilities it reads (which operand
     they are is _pv's to check: vᵀ @ p contracts over the queries)."""
@@ -2612,6 +2690,12 @@ def _probs_side(cand: _Candidate, softmax: Node) -> tuple[Node, Node]:
             continue
         if _zeroed_at_mask(cand, user, x):
             cand.zeroed.append(user)
+            cand.chain.append(user)
+            x = user
+            continue
+        rows = _zeroed_rows(user, x)
+        if rows is not None:
+            cand.zeroed_rows.append((rows, len(cand.prob_views)))
             cand.chain.append(user)
             x = user
             continue
@@ -3160,6 +3244,7 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
             k_shape, v_shape = (tuple(_shape(base)[p] for p in perm) if perm else _shape(base)
                                 for base, perm in ((k_base, cand.k_perm), (v_base, cand.v_perm)))
     _check_op_limits(*layout.op_shapes(q_shape, k_shape, v_shape), src)
+    _check_zeroed_rows(cand)
     for _, factor, stage in cand.q_scales:
         # q·kᵀ's own layout (no view between), and q takes the factor without growing or changing dtype
         t = tensor_meta(factor)
@@ -3209,6 +3294,8 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
         out = layout.output(graph, out, softmax)
         if cand.out_perm is not None and cand.out_perm != sorted(cand.out_perm):
             out = insert_call(graph, torch.permute, (out, tuple(cand.out_perm)), like=softmax)
+        for cond, _ in cand.zeroed_rows:
+            out = insert_call(graph, torch.masked_fill, (out, cond, 0.0), like=softmax)
         _settle(graph, before, pv, {*cand.chain, softmax, pv})
         _check_kept_not_written(graph, before, pv, {*cand.chain, softmax, pv}, pv)
     except Exception:
@@ -3236,6 +3323,8 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
         details.append("gqa")
     if cand.zeroed:
         details.append("probabilities zeroed at the masked keys after the softmax")
+    if cand.zeroed_rows:
+        details.append("rows zeroed after the softmax: the output's rows zeroed")
     # A post-softmax zeroing by the only mask there is makes every row with no visible key 0 in eager too
     whole = bool(cand.zeroed) and not cand.masks.additive and len(cand.masks.keeps) == 1 and not is_causal
     if cand.finite_fills and not whole:
