@@ -103,10 +103,10 @@ SHORT_SEQ_Q = 1024
 # not the keys); its config is the depth of its Q and dO rings
 HEAD_DIMS = (*CONFIGS, 256)
 # Without causal masking, from this many keys each CTA starts at a query block of its own (_first_block's
-# STAGGER; the head_dim 256 kernel always does): 4,32/8,4096,128 1.08x, 4,16,4096,128 1.02x, 2,16,8192 at 64
-# and 128 1.00x; below it 0.98-0.99x at 16,16,1024 and 8,16,2048 (the CTAs running at once read their Q and
-# dO tiles from L2 less often in step), with the padding mask 1.00x (bench/logs/attention_bwd_stagger_s34_
-# h200.log; head_dim 256 1.04x at 4096 keys, 1.06x at 16384)
+# STAGGER; the head_dim 256 kernel always does): 4,32/8,4096,128 1.08-1.09x, 4,16,4096,128 1.01-1.02x,
+# 2,16,8192 at 64 and 128 0.99-1.00x, head_dim 256 1.04x at 4096 keys, 1.03-1.06x at 16384; below it
+# 0.98-0.99x at 16,16,1024,64 and 8,16,2048,64 (bench/logs/attention_bwd_stagger_always_s34_h200.log,
+# attention_bwd_stagger_s34_h200.log). Without STAGGER the kernel is the one before (the same PTX).
 STAGGER_MIN_SEQ_K = 4096
 # Causal head_dim 64 below 2048 query rows: the Triton backward's GPU time was shorter (16,16,1024: the Gluon
 # one 0.97x its speed, bench/logs/attention_gluon_bwd_probe_h200.log), and the Gluon launch costs more host
@@ -161,6 +161,17 @@ if GLUON_AVAILABLE:
         return lse, delta
 
     @gluon.jit
+    def _block_stats(LSE, DELTA, it, n_iter, first_row, q_block_start, n_q_blocks, seq_q,
+                     BLOCK_M: gl.constexpr, cols):
+        """_query_stats of iteration it's query block (the group's heads in turn from first_row, each over
+        n_q_blocks blocks from q_block_start, in order) at these columns of it, in a compact layout (one
+        value a thread: the consumers load each block's an iteration ahead, then convert them to wgmma's
+        layout); none past the last iteration (n_q_blocks may be 0 only where n_iter is: it = 0, a quotient
+        of 0, nothing loaded)."""
+        return _query_stats(LSE, DELTA, first_row + it // n_q_blocks, seq_q,
+                            (q_block_start + it % n_q_blocks) * BLOCK_M + cols, it < n_iter)
+
+    @gluon.jit
     def _first_block(key_block, n_q_blocks, STAGGER: gl.constexpr):
         """The query block (counted from _key_block's q_block_start) at which a CTA starts each head of its
         GQA group, going round to the block before it: with STAGGER key block i starts at block i mod
@@ -175,7 +186,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                   do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks,
-                  first_block):
+                  first_block, STAGGER: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = q_bufs.type.shape[0]
@@ -185,17 +196,21 @@ if GLUON_AVAILABLE:
             coord = [batch, kv_head, n0 + w * KEYS, 0]
             tma.async_copy_global_to_shared(k_desc, coord, kv_bar, k_tiles.index(w))
             tma.async_copy_global_to_shared(v_desc, coord, kv_bar, v_tiles.index(w))
-        # the consumers' order (_consumer): head g of the GQA group, its blocks from first_block round
-        g = 0
-        j = 0
-        block = first_block
+        if STAGGER:  # the consumers' order (_consumer): head g of the group, blocks from first_block round
+            g = 0
+            j = 0
+            block = first_block
         for it in range(group * n_q_blocks):
-            head = kv_head * group + g
-            m0 = (q_block_start + block) * BLOCK_M
-            head_ends = j + 1 == n_q_blocks
-            g = g + head_ends.to(gl.int32)
-            j = gl.where(head_ends, 0, j + 1)
-            block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
+            if STAGGER:
+                head = kv_head * group + g
+                m0 = (q_block_start + block) * BLOCK_M
+                head_ends = j + 1 == n_q_blocks
+                g = g + head_ends.to(gl.int32)
+                j = gl.where(head_ends, 0, j + 1)
+                block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
+            else:
+                head = kv_head * group + it // n_q_blocks
+                m0 = (q_block_start + it % n_q_blocks) * BLOCK_M
             stage = it % STAGES
             # a buffer's first use waits on parity 1, which a fresh mbarrier counts as complete
             empty_phase = ((it // STAGES) & 1) ^ 1
@@ -214,11 +229,12 @@ if GLUON_AVAILABLE:
                      ds_bufs, dq_smem, dq_tiles, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
                      LSE, DELTA, BIAS, keys, first_key, stat_cols, first_row, batch, kv_head, group,
                      num_heads, q_block_start, n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len,
-                     mask_row_b, mask_row_h, dq_col0, zero_s, zero_dq, HAS_MASK: gl.constexpr):
+                     mask_row_b, mask_row_h, dq_col0, zero_s, zero_dq, HAS_MASK: gl.constexpr,
+                     STAGGER: gl.constexpr):
         """Iteration `it` of consumer WG's loop (_consumer): the j-th query block the GQA group's head g
-        visits, `block` (from q_block_start; the next head's or this head's next one is `next_block`), its
-        products against this warpgroup's keys, dK and dV added to, dQ added into dq_desc's buffer.
-        Returns dK, dV and the next iteration's query statistics."""
+        visits, `block` (from q_block_start; the next head's or this head's next one is `next_block`) with
+        STAGGER, else block j; its products against this warpgroup's keys, dK and dV added to, dQ added into
+        dq_desc's buffer. Returns dK, dV and the next iteration's query statistics."""
         dtype: gl.constexpr = q_bufs.dtype
         BLOCK_M: gl.constexpr = q_bufs.type.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.type.shape[4]
@@ -228,6 +244,8 @@ if GLUON_AVAILABLE:
         col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # one value per query
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         head = kv_head * group + g
+        if not STAGGER:
+            block = j
         m0 = (q_block_start + block) * BLOCK_M
         stage = it % STAGES
         phase = (it // STAGES) & 1
@@ -238,9 +256,12 @@ if GLUON_AVAILABLE:
         # the next iteration's (the next head's first block after this head's last), whose load then has
         # this iteration to arrive
         head_ends = j + 1 == n_q_blocks
+        if STAGGER:
+            next_start = q_block_start + next_block
+        else:
+            next_start = gl.where(head_ends, q_block_start, q_block_start + j + 1)
         lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row + g + head_ends.to(gl.int32), seq_q,
-                                              (q_block_start + next_block) * BLOCK_M + stat_cols,
-                                              it + 1 < n_iter)
+                                              next_start * BLOCK_M + stat_cols, it + 1 < n_iter)
         # The products start from -lse / qk_scale and -delta instead of zero, so that
         #     P^T = exp2(S^T qk_scale),  dS^T = P^T dP^T
         # and the two vectors (in wgmma's layout BLOCK_M / 4 registers each) are dead before S^T and dP^T
@@ -361,8 +382,13 @@ if GLUON_AVAILABLE:
         n_iter = group * n_q_blocks
         first_row = batch * num_heads + kv_head * group  # of LSE / DELTA: the group's first query head
         stat_cols = gl.arange(0, BLOCK_M, layout=stat_layout)
-        lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
-                                              (q_block_start + first_block) * BLOCK_M + stat_cols, n_iter > 0)
+        if STAGGER:
+            lse_ahead, delta_ahead = _query_stats(LSE, DELTA, first_row, seq_q,
+                                                  (q_block_start + first_block) * BLOCK_M + stat_cols,
+                                                  n_iter > 0)
+        else:
+            lse_ahead, delta_ahead = _block_stats(LSE, DELTA, 0, n_iter, first_row, q_block_start,
+                                                  n_q_blocks, seq_q, BLOCK_M, stat_cols)
         # Iteration `it` = g * n_q_blocks + j: the GQA group's head g, the j-th of its query blocks, which
         # run from first_block round to the one before it (the rings' stages and phases count iterations).
         # Two loops rather than one over `it`, so that no iteration divides by n_q_blocks (the head and the
@@ -371,20 +397,18 @@ if GLUON_AVAILABLE:
         # own and the rest without the masking code (as the forward does: two copies of the body) measured
         # 0.92-0.96x (attention_bwd_peel_causal_s33_h200.log).
         for g in range(group):
-            block = first_block
+            block = first_block  # (STAGGER's; without it _query_block takes block j, in order)
             for j in range(n_q_blocks):
+                next_block = block
                 if STAGGER:
                     next_block = gl.where(block + 1 == n_q_blocks, 0, block + 1)
-                else:  # the same blocks in order, without a block count carried through the loop
-                    block = j
-                    next_block = gl.where(j + 1 == n_q_blocks, 0, j + 1)
                 dk, dv, lse_ahead, delta_ahead = _query_block(
                     WG, g * n_q_blocks + j, g, j, block, next_block, CAUSAL, dk, dv, lse_ahead, delta_ahead,
                     dq_desc, q_bufs, do_bufs, k_smem, v_smem, k0_cols, k1_cols, ds_bufs, dq_smem, dq_tiles,
                     q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, LSE, DELTA, BIAS, keys,
                     first_key, stat_cols, first_row, batch, kv_head, group, num_heads, q_block_start,
                     n_q_blocks, n_iter, seq_q, qk_scale, scale, bias_len, mask_row_b, mask_row_h, dq_col0,
-                    zero_s, zero_dq, HAS_MASK)
+                    zero_s, zero_dq, HAS_MASK, STAGGER)
                 if STAGGER:
                     block = next_block
 
@@ -466,7 +490,7 @@ if GLUON_AVAILABLE:
                          qk_scale, scale, bias_len, mask_row_b, mask_row_h, CAUSAL, HAS_MASK, STAGGER)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_tiles, v_tiles, q_ready, q_empty,
                          do_ready, do_empty, kv_bar, batch, kv_head, group, n0, q_block_start, n_q_blocks,
-                         first_block)),
+                         first_block, STAGGER)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
