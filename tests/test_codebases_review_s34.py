@@ -1866,3 +1866,33 @@ def test_rows_zeroed_after_the_softmax_edges(form, rewrites, reason):
     args = (R(2, 2, 5, 8), R(2, 2, 5, 8), R(2, 2, 5, 8), rows)
     near_misses = (("attention", reason),) if reason else ()
     _check_block(_RowsZeroed(form), args, dict(attention=rewrites), near_misses)
+
+
+class _RowsZeroedLayouts(nn.Module):
+    """Rows zeroed in other layouts: 3-d bmm probabilities (B·H, Sq, Sk) with a (B·H, Sq, 1) mask; GQA (k, v
+    repeated by expand + reshape, reaching the op un-repeated); a one-element mask (every row or none)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, v, rows):
+        if self.form == "bmm":
+            p = torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.3, dim=-1).masked_fill(rows, 0.0)
+            return torch.bmm(p, v)
+        if self.form == "gqa":
+            b, g, s, d = k.shape
+            k = k[:, :, None].expand(-1, -1, 2, -1, -1).reshape(b, 2 * g, s, d)
+            v = v[:, :, None].expand(-1, -1, 2, -1, -1).reshape(b, 2 * g, s, d)
+        return torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1).masked_fill(rows, 0) @ v
+
+
+@pytest.mark.parametrize("form, shapes, rows_shape, words", [
+    ("bmm", ((4, 5, 8), (4, 6, 8), (4, 6, 8)), (4, 5, 1), "rows zeroed"),
+    ("gqa", ((2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8)), (2, 1, 5, 1), "gqa, rows zeroed"),
+    ("one_element", ((2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8)), (1,), "rows zeroed"),
+])
+def test_rows_zeroed_after_the_softmax_layouts(form, shapes, rows_shape, words):
+    rows = torch.rand(rows_shape) > 0.5 if form != "one_element" else torch.tensor([True])
+    report = _check_block(_RowsZeroedLayouts(form), (*(R(*s) for s in shapes), rows), dict(attention=1))
+    assert words in str(report), str(report)
