@@ -50,6 +50,10 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     # saved-tensor hooks, which count every tensor saved (more than the recomputation saves: CheckpointError).
     # The grad mode the graph was traced in (dynamo guards on it) is its entry state (_match.state_regions).
     graph._flash_entry_grad_enabled = getattr(graph, "_flash_subgraph_entry_grad", torch.is_grad_enabled())
+    # Likewise the devices whose autocast is off on entry; a subgraph's entry is its call's, not known here
+    subgraph = hasattr(graph, "_flash_subgraph_entry_grad")
+    graph._flash_entry_autocast_off = frozenset() if subgraph else frozenset(
+        d for d in _autocast_devices(graph) if not torch.is_autocast_enabled(d))
     with torch.no_grad():
         functionalize_in_place(graph)
         # A node nobody reads is no other user of an intermediate: erased once here, for every family
@@ -62,6 +66,12 @@ def run_passes(graph: torch.fx.Graph, families: set[str] | None = None) -> None:
     graph.lint()
     if graph.owning_module is not None:
         graph.owning_module.recompile()
+
+
+def _autocast_devices(graph: torch.fx.Graph) -> set[str]:
+    """The device types the graph's ``torch.autocast`` blocks name."""
+    return {n.args[0] for n in graph.nodes if n.op == "call_function" and n.args and
+            isinstance(n.args[0], str) and getattr(n.target, "__name__", None) == "_enter_autocast"}
 
 
 def mark_subgraph_entry_states(gm: torch.fx.GraphModule, entry=None) -> None:

@@ -375,6 +375,20 @@ def _state_args(node: torch.fx.Node) -> tuple:
                  for a in node.args)
 
 
+def _disables_autocast_already_off(node: torch.fx.Node, contexts: list, autocast_off: frozenset) -> bool:
+    """Whether node, an ``_enter_*`` node, is ``torch.autocast(device, enabled=False)`` for a device whose
+    autocast is off where it runs: off on entry (autocast_off) and turned on by no context open around it.
+    Such a block changes nothing (llm-foundry's LPLayerNorm and OLMo's low-precision LayerNorm wrap every
+    F.layer_norm in one; outside autocast their fused residual add + norm is the same function)."""
+    if node.target.__name__ != "_enter_autocast" or len(node.args) < 3 or node.args[2] is not False:
+        return False
+    device = node.args[0]
+    # an enclosing context either changed nothing (None) or is another autocast whose args say whether it
+    # turned this device's autocast on; an unknown device or argument counts as on
+    return device in autocast_off and all(
+        c is None or c[0] != "_enter_autocast" or c[1] != device or c[3] is False for _, c in contexts)
+
+
 def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[int, int]] | None:
     """For each node, (segment, state): how many grad-mode / autocast changes precede it, and a number for
     the state it runs in (grad mode and the stack of open autocast / inference_mode contexts; nodes with the
@@ -382,14 +396,17 @@ def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[int, int]]
     block). None for a graph without such changes, the common case.
 
     The grad mode on entry is the one run_passes was called in (dynamo guards on it; it compiles one graph
-    per grad mode), so ``_set_grad_enabled(True)`` closing a no_grad block returns to the entry state."""
+    per grad mode), so ``_set_grad_enabled(True)`` closing a no_grad block returns to the entry state. So is
+    the autocast state, by device (dynamo guards on it too): an ``autocast(enabled=False)`` block where
+    autocast is already off is no change of state (_disables_autocast_already_off)."""
     has = getattr(graph, "_flash_has_state_changes", None)
     if has is None:  # the passes never add or remove these nodes: looked for once per graph
         has = graph._flash_has_state_changes = any(_changes_state(n) for n in graph.nodes)
     if not has:
         return None
     grad = getattr(graph, "_flash_entry_grad_enabled", "entry")
-    contexts: list[tuple[torch.fx.Node, tuple]] = []
+    autocast_off = getattr(graph, "_flash_entry_autocast_off", frozenset())
+    contexts: list[tuple[torch.fx.Node, tuple | None]] = []
     states: dict[tuple, int] = {}
     regions, segment = {}, 0
     for n in graph.nodes:
@@ -399,11 +416,13 @@ def state_regions(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[int, int]]
             if name.endswith("set_grad_enabled"):
                 grad = n.args[0] if n.args and isinstance(n.args[0], bool) else ("unknown", n)
             elif name.startswith("_enter_"):
-                contexts.append((n, (name, *_state_args(n))))
+                state = None if _disables_autocast_already_off(n, contexts, autocast_off) else (
+                    name, *_state_args(n))
+                contexts.append((n, state))
             else:  # _exit_*: closes the context its argument entered
                 entered = n.args[0] if n.args else None
                 contexts = [c for c in contexts if c[0] is not entered]
-        key = (grad, tuple(c[1] for c in contexts))
+        key = (grad, tuple(c[1] for c in contexts if c[1] is not None))
         regions[n] = (segment, states.setdefault(key, len(states)))
     return regions
 
