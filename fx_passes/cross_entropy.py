@@ -78,6 +78,14 @@ reduction mean what cross_entropy's do (label_smoothing 0); its class weights an
 alone as cross_entropy's are. An nll_loss whose input is not a log_softmax (seen through views, transposes
 and casts) is not a candidate.
 
+Label smoothing written out, as timm's LabelSmoothingCrossEntropy does, ``lp = F.log_softmax(z, dim=-1);
+nll = -lp.gather(dim=-1, index=y.unsqueeze(1)).squeeze(1); smooth = -lp.mean(dim=-1); ((1 - s) * nll + s *
+smooth).mean()`` (the negation on either side of the squeeze, the terms and factors in either order), is
+F.cross_entropy(z, y, label_smoothing=s) for every target eager's gather accepts: it is replaced by that call,
+rewritten as above, and put back when that fails (_hand_written_label_smoothing). Coefficients that do not sum
+to 1, and fairseq's label_smoothed_nll_loss (s spread over the C - 1 other classes: another function), are not
+candidates.
+
 Left alone, with the reason reported: class weights and the legacy size_average/reduce arguments, class
 probability targets, fp64 logits (the op computes the loss in fp32, eager in fp64), an input whose dim 1 is
 not the Linear's last (class) dimension moved there (a Conv1d's (N, C, L) output, ``transpose(0, 2)``,
@@ -114,7 +122,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_backend import config as flash_config
-from fx_passes._compat import restart_with_specialised_floats, stable_topological_sort
+from fx_passes._compat import float_input_symbols, restart_with_specialised_floats, stable_topological_sort
 from fx_passes._match import (
     arg,
     binary_operands,
@@ -126,6 +134,7 @@ from fx_passes._match import (
     insert_call,
     insert_getitem,
     is_last_dim,
+    is_number,
     is_op,
     linear_operand_writer,
     linear_operands,
@@ -1067,6 +1076,138 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     erase_unused(graph, [ce, *chain, linear, *filter(None, [transposed])])
 
 
+def _unary_input(node: object, name: str) -> torch.fx.Node | None:
+    """x of ``-x`` / ``torch.neg(x)`` / ``x.neg()`` (name 'neg'), else None."""
+    if not is_op(node, name) or len(node.args) != 1 or node.kwargs:
+        return None
+    return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+
+
+def _dim_one_of_2d(node: torch.fx.Node, name: str) -> torch.fx.Node | None:
+    """x of ``x.squeeze(1)`` / ``x.unsqueeze(1)`` (or dim -1) for name, x a 2-D (squeeze) or 1-D (unsqueeze)
+    tensor: its column dimension; else None."""
+    if not is_op(node, name) or set(node.kwargs) - {"dim"}:
+        return None
+    x, dim = arg(node, 0, "input"), arg(node, 1, "dim")
+    meta = tensor_meta(x) if isinstance(x, torch.fx.Node) else None
+    rank = 2 if name == "squeeze" else 1
+    return x if meta is not None and meta.dim() == rank and dim in (1, -1) else None
+
+
+def _coefficient(c: object) -> tuple[float, set] | None:
+    """(value, the float-input symbols it is computed from) of a Python number, or of a SymFloat node that
+    dynamic=True made of a module's float attribute (timm's ``self.confidence``), which the rewrite then
+    specialises (rewrite()); else None."""
+    if is_number(c):
+        return float(c), set()
+    symbols = float_input_symbols(val(c)) if isinstance(c, torch.fx.Node) else None
+    return (float(val(c)), symbols) if symbols else None
+
+
+def _scaled_term(node: object) -> tuple[float, set, torch.fx.Node] | None:
+    """(c, its symbols, t) of ``c * t`` / ``t * c`` with c a number (_coefficient), t read by that product
+    only."""
+    pair = binary_operands(node, "mul")
+    if pair is None:
+        return None
+    for c, t in (pair, pair[::-1]):
+        coefficient = _coefficient(c)
+        if coefficient is not None and isinstance(t, torch.fx.Node) and len(t.users) == 1 and \
+                isinstance(val(t), torch.Tensor):
+            return *coefficient, t
+    return None
+
+
+def _hand_written_label_smoothing(root: torch.fx.Node) -> tuple | None:
+    """(lp, target, s, nodes, symbols) when root is timm's LabelSmoothingCrossEntropy written out (and any
+    code spelled so): ``((1 - s) * nll + s * smooth).mean()`` with ``nll = -lp.gather(-1, y.unsqueeze(1))
+    .squeeze(1)`` (the negation before or after the squeeze), ``smooth = -lp.mean(-1)``, lp a log_softmax
+    read by those two only, y (M,) int64; nodes: root, what it computes from lp and y.unsqueeze(1), lp last;
+    symbols: the float inputs the coefficients are (_coefficient). Else None.
+
+    Per row that is (1 - s) * -lp[y] + s * mean_c(-lp[c]), averaged over the rows: exactly
+    F.cross_entropy(z, y, label_smoothing=s) (its loss puts 1 - s on the target and s / C on every class),
+    for every y eager's gather accepts (in [0, C); -100 eager rejects, cross_entropy would ignore). The
+    coefficients must sum to 1 (to rounding): fairseq's label_smoothed_nll_loss spreads s over the C - 1
+    other classes, ``(1 - s - s / (C - 1)) * nll + s / (C - 1) * lp.sum(-1)``, another function, and sums
+    before it combines: not this form."""
+    if not is_op(root, "mean") or len(root.args) != 1 or root.kwargs or \
+            not isinstance(root.args[0], torch.fx.Node):
+        return None
+    total = root.args[0]
+    pair = binary_operands(total, "add")
+    if pair is None or len(total.users) != 1:
+        return None
+    terms = [_scaled_term(t) for t in pair]
+    if None in terms:
+        return None
+    nodes, found, symbols = [root, total, *pair], {}, set()
+    for c, term_symbols, t in terms:
+        symbols |= term_symbols
+        inner = _unary_input(t, "neg")
+        if inner is not None and is_op(inner, "mean") and len(inner.users) == 1:  # the smoothing term
+            lp, dim = arg(inner, 0, "input"), arg(inner, 1, "dim")
+            keepdim = arg(inner, 2, "keepdim", False)
+            if set(inner.kwargs) - {"dim", "keepdim"} or keepdim or not isinstance(lp, torch.fx.Node):
+                return None
+            meta = tensor_meta(lp)
+            if meta is None or meta.dim() != 2 or dim not in (-1, 1, [-1], [1], (-1,), (1,)):
+                return None
+            found["smooth"] = (c, lp)
+            nodes += [t, inner]
+            continue
+        # the target's term: neg(squeeze(gather)) or squeeze(neg(gather))
+        chain = [t]
+        node = inner if inner is not None else _dim_one_of_2d(t, "squeeze")
+        if node is None or len(node.users) != 1:
+            return None
+        chain.append(node)
+        node = _dim_one_of_2d(node, "squeeze") if inner is not None else _unary_input(node, "neg")
+        if node is None or len(node.users) != 1 or not is_op(node, "gather") or \
+                set(node.kwargs) - {"dim", "index", "sparse_grad"} or arg(node, 3, "sparse_grad", False):
+            return None
+        chain.append(node)
+        lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
+        y = _dim_one_of_2d(index, "unsqueeze") if isinstance(index, torch.fx.Node) else None
+        if dim not in (-1, 1) or y is None or not isinstance(lp, torch.fx.Node):
+            return None
+        found["nll"] = (c, lp, y)
+        nodes += [*chain, index]
+    if set(found) != {"nll", "smooth"} or found["nll"][1] is not found["smooth"][1]:
+        return None
+    (confidence, lp, y), (smoothing, _) = found["nll"], found["smooth"]
+    target = tensor_meta(y)
+    if not is_op(lp, "log_softmax") or len(lp.users) != 2 or target is None or target.dim() != 1 or \
+            target.dtype != torch.int64 or not 0.0 <= smoothing <= 1.0 or \
+            abs(confidence + smoothing - 1) > 1e-12:
+        return None
+    return lp, y, smoothing, [*nodes, lp], symbols
+
+
+def _rewrite_hand_written_label_smoothing(graph: torch.fx.Graph, fn, root: torch.fx.Node,
+                                          lp: torch.fx.Node, y: torch.fx.Node, smoothing: float,
+                                          nodes: list[torch.fx.Node], symbols: set) -> None:
+    """Replace root (_hand_written_label_smoothing) by F.cross_entropy(z, y, label_smoothing=s), z the
+    log_softmax's input, and rewrite that as any other; on a _Miss (z is no Linear's, ...) eager's nodes are
+    put back as they were, and it is reported."""
+    z, upcasts = _log_softmax_input(lp)
+    if upcasts:
+        raise _Miss(f"the log_softmax {lp.name} casts its input up to fp32 (dtype=)")
+    ce = insert_call(graph, F.cross_entropy, (z, y), {"label_smoothing": smoothing}, like=root)
+    root.replace_all_uses_with(ce)
+    try:
+        args = _arguments(ce)
+        _check_arguments(args)
+        _rewrite_one(graph, fn, ce, args, z, [], False, "(1 - s) * nll + s * smooth by hand")
+    except Exception:
+        if not getattr(ce, "_erased", False):
+            ce.replace_all_uses_with(root)
+            graph.erase_node(ce)
+        raise
+    erase_unused(graph, nodes)
+    _float_inputs_to_specialise.extend(symbols)
+
+
 def rewrite(graph: torch.fx.Graph) -> None:
     fn = _fused_op()
     if fn is None:
@@ -1091,6 +1232,19 @@ def rewrite(graph: torch.fx.Graph) -> None:
             record_near_miss(FAMILY, candidate, str(miss), loss)
         except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
             record_near_miss(FAMILY, candidate, f"internal error {type(error).__name__}: {error}", loss)
+    candidate = "Linear + label smoothing by hand"
+    for root in [n for n in graph.nodes if is_op(n, "mean")]:
+        if getattr(root, "_erased", False):  # by an earlier rewrite
+            continue
+        found = _hand_written_label_smoothing(root)
+        if found is None:
+            continue
+        try:
+            _rewrite_hand_written_label_smoothing(graph, fn, root, *found)
+        except _Miss as miss:
+            record_near_miss(FAMILY, candidate, str(miss), root)
+        except Exception as error:  # noqa: BLE001 - a matcher bug must cost a fusion, never the compile
+            record_near_miss(FAMILY, candidate, f"internal error {type(error).__name__}: {error}", root)
     if _float_inputs_to_specialise:
         # dynamic=True made a module float (label_smoothing) a graph input and a rewrite baked its value in:
         # restart dynamo's analysis with it a constant, as the norm pass does (Inductor would anyway). The
