@@ -1345,3 +1345,22 @@ def test_label_smoothing_by_hand_under_dynamic_shapes():
     report = _dynamic_check(TimmClassifier(mixup=False), [(R(4, 12), _labels(4, classes=7)),
                                                           (R(6, 12), _labels(6, classes=7))])
     assert any("smooth by hand" in d.variant for d in report.rewrites), str(report)
+
+
+class _SmoothedLM(nn.Module):
+    """An LM head with the causal shift and the upcast before timm's loss: the row selection, reshape and cast
+    are taken as for F.cross_entropy (the logits also returned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(37, 16), nn.Linear(16, 37)
+        self.loss_fn = LabelSmoothingCrossEntropy(0.1)
+
+    def forward(self, ids):
+        logits = self.head(self.emb(ids))
+        return self.loss_fn(logits[:, :-1].reshape(-1, 37).float(), ids[:, 1:].reshape(-1)), logits
+
+
+def test_label_smoothing_by_hand_over_shifted_lm_logits():
+    report = _check_block(_SmoothedLM(), (_ids(),), dict(cross_entropy=1))
+    assert "F.linear -> getitem -> reshape -> float -> (1 - s) * nll + s * smooth by hand" in str(report)
