@@ -69,12 +69,40 @@ def grads(module, args, causal, mask=None):
     return dq, dk, dv
 
 
-def main():
-    torch.manual_seed(0)
-    mods = {"old": load(sys.argv[1], "bwd_before"), "new": new}
+def report_against_cudnn(shape, args, mask, causal, impls, checks, rounds=9, reps=10):
+    """Time each backward of impls (name -> zero-argument call; "old" the baseline) and cuDNN's (its
+    fwd+bwd minus its fwd, k and v repeated for GQA) in interleaved rounds, and print a row each: us, TF/s,
+    x cuDNN, x old and the impl's check."""
+    dout, q, k, v, _, _ = args
+    B, H, S, D = q.shape
+    qg = q.detach().requires_grad_()
+    kg, vg = (t.repeat_interleave(H // k.shape[1], 1).detach().requires_grad_() for t in (k, v))
+
+    def cudnn(backward):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal)
+        if backward:
+            torch.autograd.grad(o, (qg, kg, vg), dout)
+
+    us = interleaved_us({"cudnn fwd+bwd": lambda: cudnn(True), "cudnn fwd": lambda: cudnn(False), **impls},
+                        rounds=rounds, reps=reps)
+    t_cudnn = us["cudnn fwd+bwd"] - us["cudnn fwd"]
+    flops = 10 * B * H * S * S * D / (2 if causal else 1)
+    print(f"{shape:<26} {'cudnn':<6} {t_cudnn:9.1f} {flops / t_cudnn / 1e6:7.1f}")
+    for name in impls:
+        t = us[name]
+        print(f"{shape:<26} {name:<6} {t:9.1f} {flops / t / 1e6:7.1f} {t_cudnn / t:7.3f} "
+              f"{us['old'] / t:7.3f}  {checks.get(name, '')}", flush=True)
+
+
+def run_shapes(check_only, shapes, impls, big_scores=None):
+    """Every shape (B, H, Hkv, S, D, causal, padding: None or the fraction of keys the shortest row keeps)
+    of check_only + shapes: each impl's gradients (name -> grads(args, causal, mask); "old" the baseline)
+    checked against fp32 up to 4096 rows, then the shapes timed (report_against_cudnn); from big_scores
+    B * H * S * S * D on, fewer rounds. Returns whether every check passed."""
     all_ok = True
     print(f"{'shape':<26} {'impl':<6} {'us':>9} {'TF/s':>7} {'x cudnn':>7} {'new/old':>7}  check")
-    for B, H, Hkv, S, D, causal, keep in CHECK_ONLY + SHAPES:
+    for B, H, Hkv, S, D, causal, keep in check_only + shapes:
         if keep is None:
             args, mask = inputs(B, H, Hkv, S, D, causal), None
         else:
@@ -82,35 +110,26 @@ def main():
         checks = {}
         if S <= 4096:
             ref, low = (reference(args, causal, dtype, mask) for dtype in (torch.float32, torch.bfloat16))
-            for name, module in mods.items():
-                checks[name] = verdict(grads(module, args, causal, mask), ref, low)
+            for name, grads_of in impls.items():
+                checks[name] = verdict(grads_of(args, causal, mask), ref, low)
                 all_ok &= not checks[name].endswith("WRONG")
         shape = f"{B},{H}/{Hkv},{S},{D}{' causal' if causal else ''}{'' if keep is None else f' pad {keep}'}"
-        if (B, H, Hkv, S, D, causal, keep) in CHECK_ONLY:
+        if (B, H, Hkv, S, D, causal, keep) in check_only:
             print(f"{shape:<26} " + "  ".join(f"{n}: {c}" for n, c in checks.items()), flush=True)
             continue
-        dout, q, k, v, _, _ = args
-        qg = q.detach().requires_grad_()
-        kg, vg = (t.repeat_interleave(H // Hkv, 1).detach().requires_grad_() for t in (k, v))
-
-        def cudnn(backward):
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, is_causal=causal)
-            if backward:
-                torch.autograd.grad(o, (qg, kg, vg), dout)
-
-        fns = {"cudnn fwd+bwd": lambda: cudnn(True), "cudnn fwd": lambda: cudnn(False)}
-        for name, module in mods.items():
-            fns[name] = lambda m=module: grads(m, args, causal, mask)
-        us = interleaved_us(fns)
-        t_cudnn = us["cudnn fwd+bwd"] - us["cudnn fwd"]
-        flops = 10 * B * H * S * S * D / (2 if causal else 1)
-        print(f"{shape:<26} {'cudnn':<6} {t_cudnn:9.1f} {flops / t_cudnn / 1e6:7.1f}")
-        for name in mods:
-            t = us[name]
-            print(f"{shape:<26} {name:<6} {t:9.1f} {flops / t / 1e6:7.1f} {t_cudnn / t:7.3f} "
-                  f"{us['old'] / t:7.3f}  {checks.get(name, '')}", flush=True)
+        big = big_scores is not None and B * H * S * S * D >= big_scores
+        calls = {name: (lambda g=grads_of: g(args, causal, mask)) for name, grads_of in impls.items()}
+        report_against_cudnn(shape, args, mask, causal, calls, checks, rounds=5 if big else 9,
+                             reps=3 if big else 10)
     print("all checks passed" if all_ok else "SOME CHECK FAILED")
+    return all_ok
+
+
+def main():
+    torch.manual_seed(0)
+    mods = {"old": load(sys.argv[1], "bwd_before"), "new": new}
+    run_shapes(CHECK_ONLY, SHAPES, {name: (lambda args, causal, mask, m=module: grads(m, args, causal, mask))
+                                    for name, module in mods.items()})
 
 
 if __name__ == "__main__":
