@@ -198,6 +198,12 @@ def _einsum_k_first_ellipsis(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
+def _query_mask_after_softmax(q, k, v, keep_q):
+    # padded queries zeroed after the softmax
+    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1).masked_fill(~keep_q, 0.0)
+    return p @ v
+
+
 ATTENTION_SAME = {
     # name: (fn, q/k/v sizes, extra inputs, expected op kwargs)
     "bloom_alibi_baddbmm_beta1": (_bloom_alibi_baddbmm, {}, lambda: (torch.randn(B * H, 1, S),), {}),
@@ -230,6 +236,10 @@ ATTENTION_SAME = {
     "einsum_k_first": (_einsum_k_first, {"S": 5, "Sk": 9}, tuple, {}),
     "einsum_k_first_ellipsis": (_einsum_k_first_ellipsis, {"S": 9, "Sk": 5}, tuple, {}),
     "einsum_scores_transposed_is_attention_of_k_over_q": (_einsum_scores_transposed, {}, tuple, {}),
+    # whole query rows zeroed after the softmax are the op's output rows zeroed (session 34, review s34 M3;
+    # left alone before)
+    "query_mask_after_softmax": (
+        _query_mask_after_softmax, {}, lambda: (_keep_rows(B, S)[:, None, :, None],), {}),
 }
 
 
@@ -279,12 +289,6 @@ def _head_mask_on_probs(q, k, v, head_mask):
     return (p * head_mask) @ v
 
 
-def _query_mask_after_softmax(q, k, v, keep_q):
-    # padded queries zeroed after the softmax
-    p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1).masked_fill(~keep_q, 0.0)
-    return p @ v
-
-
 def _probs_entropy_regulariser(q, k, v):
     p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
     return p @ v, -(p * torch.log(p + 1e-9)).sum()
@@ -330,8 +334,6 @@ ATTENTION_OTHER = {
     # these two were not reported at all before: the walk only looked for ·v through casts and dropout
     "head_mask_on_probs": (_head_mask_on_probs, lambda: (torch.rand(1, 8, 1, 1) + 0.5,),
                            "(mul), not to a matmul with v"),
-    "query_mask_after_softmax": (_query_mask_after_softmax, lambda: (_keep_rows(1, 8)[:, None, :, None],),
-                                 "(masked_fill), not to a matmul with v"),
     "probs_entropy_regulariser": (_probs_entropy_regulariser, tuple, "also returned or reused"),
     "renormalised_probs": (_renormalised_probs, tuple, "also returned or reused"),
     "einsum_ellipsis_unequal_batch_dims": (_einsum_ellipsis_k_shared_over_batch, tuple,
