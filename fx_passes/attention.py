@@ -1500,6 +1500,9 @@ class _Candidate:
         # A -inf fill: on such rows eager's softmax gives NaN and the op 0 (its documented semantics for
         # fully masked rows). Reported where a mask stays (a causal band folded into is_causal has none).
         self.inf_fill = False
+        # Whether eager's row with every key masked is uniform (_uniform_masked_rows): the op then gives
+        # such a row the mean of v, as eager, where the finite fills are taken as -inf.
+        self.uniform_masked_rows = False
         # (split shape, number of terms) of each bias added to the scores viewed with their query / key dims
         # split (_split_score_bias), for the report
         self.split_biases: list[tuple[tuple, int]] = []
@@ -2370,7 +2373,77 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
         elif kind == "add" and after != 1.0 and not _zero_or_masked(obj, after):
             raise _Skip("the scores are scaled after an additive mask was added, and the mask is not one of "
                         "0 and masked-out values only")
+    cand.uniform_masked_rows = _uniform_masked_rows(cand, steps, fills)
     return x
+
+
+def _uniform_masked_rows(cand: _Candidate, steps, fills: dict) -> bool:
+    """Whether eager's scores on a row with every key masked are all one value (steps: _scores_side's,
+    outermost first), so that its softmax there is uniform and its output the mean of v.
+
+    Each masked key holds the fill of the outermost keep step that masks it, and what comes after
+    (constant scales, casts, per-row shifts) maps equal values to equal values. So: one finite fill value
+    for every keep step, and every additive mask inside all of them (overwritten on the keys they mask),
+    holding finite values only (a -inf there masks a key in the op that eager fills with the others, or
+    leaves at -inf: its average would be over the other keys). A mask added after a fill adds to it (two
+    finfo.min overflow to -inf on some keys: eager averages over the others); a clamp makes the -inf fills
+    inside it its bound: both left as they were (the op gives 0 there, reported)."""
+    keeps = [i for i, (kind, _) in enumerate(steps) if kind == "keep"]
+    if not keeps or cand.inf_fill or len(set(cand.finite_fills)) != 1 or len({fills[i] for i in keeps}) != 1:
+        return False
+    for i, (kind, obj) in enumerate(steps):
+        if kind == "clamp":
+            return False
+        if kind in ("add", "sub") and (i < max(keeps) or not _holds_finite(obj)):
+            return False
+    return True
+
+
+# factories of finite values: the position of their fill value, None for zeros / ones
+_FINITE_FACTORIES = {"full": 1, "new_full": 2, "full_like": 1, "zeros": None, "ones": None,
+                     "zeros_like": None, "ones_like": None, "new_zeros": None, "new_ones": None}
+
+
+def _holds_finite(node, depth: int = 12) -> bool:
+    """Whether a mask holds finite values only: a finite constant, a factory filled with one, torch.where
+    or masked_fill (in place too) of such values, seen through views and casts to a dtype of no smaller
+    range. flash-attn's key padding bias is ``torch.full(.., -10000.0).masked_fill_(keep, 0.0)``."""
+    if is_number(node):
+        return math.isfinite(float(node))
+    if not isinstance(node, Node) or depth == 0:
+        return False
+    meta = tensor_meta(node)
+    if meta is None or not meta.dtype.is_floating_point:
+        return False
+
+    def fits(value) -> bool:
+        return is_number(value) and abs(float(value)) <= torch.finfo(meta.dtype).max
+
+    name = op_name(node)
+    if node.op == "call_function" and node.target is operator.getitem:
+        name = "getitem"
+    for writer in in_place_writers(node):
+        # a write of a finite constant (masked_fill_, fill_) keeps it finite; any other write is unknown
+        if not (op_name(writer) in ("masked_fill_", "fill_") and fits(writer.args[-1])):
+            return False
+    if name in _FINITE_FACTORIES:
+        position = _FINITE_FACTORIES[name]
+        return position is None or fits(arg(node, position, "fill_value"))
+    if _where_operands(node) is not None:
+        return all(fits(a) or isinstance(a, Node) and _dtype(a) == meta.dtype and _holds_finite(a, depth - 1)
+                   for a in _where_operands(node)[1:])
+    if name in ("masked_fill", "masked_fill_") and len(node.args) == 3 and not node.kwargs:
+        return _holds_finite(node.args[0], depth - 1) and fits(node.args[2])
+    if name in _MASK_PASSTHROUGH and isinstance(node.args[0], Node) and tensor_meta(node.args[0]) is not None:
+        source = tensor_meta(node.args[0]).dtype
+        return (source.is_floating_point and torch.finfo(source).max <= torch.finfo(meta.dtype).max
+                and (name != "view" or source == meta.dtype) and _holds_finite(node.args[0], depth - 1))
+    if meta.numel() <= _CONST_EVAL_MAX_NUMEL:
+        try:
+            return bool(torch.isfinite(torch.as_tensor(_const_eval(node))).all())
+        except Exception:  # noqa: BLE001 - not a compile-time constant
+            return False
+    return False
 
 
 def _einsum_operands(node: Node) -> tuple[object, list]:
@@ -3279,6 +3352,11 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
             v_in = insert_call(graph, torch.unsqueeze, (v_in, dim), like=softmax)
         q_in, k_in, v_in = layout.inputs(graph, q_in, k_in, v_in, softmax)
         mask, is_causal = cand.masks.build(graph, softmax, scores_shape[-2], scores_shape[-1])
+        # A row the finite fill masks entirely: eager's softmax is uniform there (_uniform_masked_rows), and
+        # the op gives the mean of v, where it would give 0. Not with an additive mask taken as -inf (eager's
+        # row there is not uniform), nor probabilities zeroed after the softmax (eager's row is 0 or less).
+        mean_rows = (cand.uniform_masked_rows and mask is not None and not cand.zeroed
+                     and cand.masks.assumed_masked is None)
         out = insert_call(
             graph,
             flash_attention,
@@ -3288,6 +3366,7 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
                 "dropout_p": cand.dropout_p,
                 "scale": cand.scale_arg(graph, softmax),
                 "enable_gqa": enable_gqa,
+                **({"fully_masked_rows": "mean"} if mean_rows else {}),
             },
             like=softmax,
         )
@@ -3327,9 +3406,13 @@ def _rewrite_softmax_from(graph: Graph, softmax: Node, entry: set):
         details.append("rows zeroed after the softmax: the output's rows zeroed")
     # A post-softmax zeroing by the only mask there is makes every row with no visible key 0 in eager too
     whole = bool(cand.zeroed) and not cand.masks.additive and len(cand.masks.keeps) == 1 and not is_causal
-    if cand.finite_fills and not whole:
-        # eager's average on such a row is uniform for one fill; two fills that add (a causal finfo.min
-        # plus a padding finfo.min) overflow to -inf on some keys, and the average is over the others
+    if cand.finite_fills and mean_rows:
+        details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf, a row with every key masked "
+                       "given the mean of v as in eager" + (" (undropped)" if cand.dropout_p else ""))
+    elif cand.finite_fills and not whole:
+        # eager's average on such a row is uniform for one fill (given above where _uniform_masked_rows tells
+        # it); two fills that add (a padding finfo.min added after a causal finfo.min fill) overflow to -inf
+        # on some keys, and the average is over the others
         details.append(f"fill {min(cand.finite_fills):.3g} taken as -inf: a row with every key masked "
                        "gives 0, where eager gives an average of v")
     if cand.inf_fill and mask is not None and not whole:

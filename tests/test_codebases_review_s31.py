@@ -16,9 +16,10 @@ near misses with their reasons. Sizes are small and odd, weights random, dropout
 check the statistics of the mask); two blocks also in bf16 (within twice eager's error).
 
 Findings (tests/findings/codebase_review_s31.md):
-- W1, pinned by a strict xfail: flash-attn's CrossAttention (its GQA MHA path) with causal and a key padding
-  mask leaves the first Sq - sk query rows of a padded sequence with no key; the rewrite takes the -10000
-  fill as -inf (and says so) and gives 0 there, eager the average of v. Every other row is eager's.
+- W1, FIXED (fx_passes/attention.py, _uniform_masked_rows; flash_attention(fully_masked_rows="mean")):
+  flash-attn's CrossAttention (its GQA MHA path) with causal and a key padding mask leaves the first Sq - sk
+  query rows of a padded sequence with no key; eager's -10000 fill averages v there, which the rewrite gave
+  as 0 and gives as the mean of v now.
 - M1, FIXED (fx_passes/attention.py, _split_score_bias): SAM / ViTDet's decomposed relative position bias is
   added to the scores viewed with their query and key dims split; the terms' sum, merged to (.., Sq, Sk), is
   the op's additive mask now (its gradient reaches q and the tables rel_pos_h / rel_pos_w).
@@ -2047,17 +2048,17 @@ def _rows_with_no_key(keep, seqlen_q):
     return torch.arange(seqlen_q)[None, :] + sk - seqlen_q < 0  # (B, Sq)
 
 
-@pytest.mark.xfail(strict=True, reason="tests/findings/codebase_review_s31.md W1: flash-attn's GQA MHA "
-                   "(CrossAttention) with a key padding mask and causal: the first Sq - sk query rows of a "
-                   "padded sequence see no key; eager's -10000 fill averages v there, the rewrite (fill "
-                   "taken as -inf) gives 0")
 def test_flash_attn_gqa_self_attention_with_key_padding_matches_eager():
-    _check_block(FlashAttnMHA(32, 4, 2), (R(2, 9, 32), _keep(2, 9)), dict(attention=1))
+    """tests/findings/codebase_review_s31.md W1 (fixed): flash-attn's GQA MHA (CrossAttention) with a key
+    padding mask and causal: the first Sq - sk query rows of a padded sequence see no key, where eager's
+    -10000 fill averages v; the op gives them the mean of v (fully_masked_rows="mean"), gradients too."""
+    report = _check_block(FlashAttnMHA(32, 4, 2), (R(2, 9, 32), _keep(2, 9)), dict(attention=1))
+    assert "a row with every key masked given the mean of v as in eager" in str(report), str(report)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_flash_attn_gqa_self_attention_with_key_padding_elsewhere(training):
-    """W1 is confined to the rows that see no key (and the rewrite says so); every other row is eager's."""
+def test_flash_attn_gqa_self_attention_with_key_padding_rows_with_no_key(training):
+    """W1's rows that see no key are eager's mean of v (they were 0); every other row is eager's too."""
     model, x, keep = FlashAttnMHA(32, 4, 2).train(training), R(2, 9, 32), _keep(2, 9)
     no_key = _rows_with_no_key(keep, 9)
     assert no_key.sum() == 3  # the last sequence, 6 long: its first 3 rows
@@ -2065,8 +2066,11 @@ def test_flash_attn_gqa_self_attention_with_key_padding_elsewhere(training):
     counters.clear()
     with collecting() as report:
         got = torch.compile(model, backend=rewrite_only_backend, fullgraph=True)(x, keep)
-    torch.testing.assert_close(got[~no_key], model(x, keep)[~no_key], **TOL)
-    assert "fill -1e+04 taken as -inf: a row with every key masked gives 0" in str(report), str(report)
+    want = model(x, keep)
+    torch.testing.assert_close(got[no_key], want[no_key], **TOL)
+    torch.testing.assert_close(got[~no_key], want[~no_key], **TOL)
+    assert "fill -1e+04 taken as -inf, a row with every key masked given the mean of v" in str(report), \
+        str(report)
 
 
 def test_flash_attn_block_residual_dropout_draws_one_mask_forward_and_backward():

@@ -710,14 +710,34 @@ def _prepare_mask(attn_mask, q, k):
     return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
 
+def _mean_on_masked_rows(out, lse, v):
+    """out with each row that saw no key (logsumexp +inf) replaced by the mean of v over all its keys, in the
+    kernels' GQA grouping (query head h reads k/v head h // (Hq / Hk)).
+
+    That is eager's row where one finite fill (-1e4, finfo.min) masks every key: the scores are all the
+    fill, the softmax uniform. The gradients follow: v gets the mean's (dout / Sk per key) and q, k nothing
+    from such rows, as in eager, where the fill cut the scores off. lse only selects (no gradient)."""
+    if v.shape[2] == 0:
+        return out  # no keys at all: eager's softmax over none, then ·v, gives 0 too
+    batch, kv_heads, _, dv = v.shape
+    group = out.shape[1] // kv_heads
+    mean = v.mean(2, keepdim=True)[:, :, None].expand(batch, kv_heads, group, 1, dv)
+    return torch.where(torch.isposinf(lse)[..., None], mean.reshape(batch, kv_heads * group, 1, dv), out)
+
+
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-                    causal_alignment="top_left", window_size=(-1, -1)):
+                    causal_alignment="top_left", window_size=(-1, -1), fully_masked_rows="zero"):
     """F.scaled_dot_product_attention on (B, H, S, D) tensors, computed by the flash kernels.
 
     k/v may have fewer heads than q (any divisor, enable_gqa or not: no copy is made). is_causal is
     top-left aligned like SDPA unless causal_alignment="bottom_right" (FlashAttention's convention);
-    causal_alignment also anchors window_size=(left, right). Fully masked rows give zeros.
+    causal_alignment also anchors window_size=(left, right). A query row with no visible key gives zeros,
+    or with fully_masked_rows="mean" the mean of v over all keys (undropped): what eager's softmax gives
+    when one finite fill such as -1e4 masks every key of the row (fx_passes/attention.py asks for it there).
     """
+    if fully_masked_rows not in ("zero", "mean"):
+        raise ValueError(f"flash_attention: fully_masked_rows must be 'zero' or 'mean', got "
+                         f"{fully_masked_rows!r}")
     _check_qkv(q, k, v, 4)
     refuse_forward_ad("flash_attention", q, k, v, attn_mask)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -736,12 +756,12 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     inputs = (q, k, v, mask, seed, float(dropout_p), scale, left, right, causal_alignment == "bottom_right")
     if direct_call_ok(q, k, v, mask) and _kernels_enabled(q) and _kernel_supports(q, k, v, mask):
         if needs_autograd(q, k, v, mask):
-            out, _ = _DirectAttention.apply(*inputs)
+            out, lse = _DirectAttention.apply(*inputs)
         else:
-            out, _ = _attention_forward_impl(*inputs, launch=plain_launch)
+            out, lse = _attention_forward_impl(*inputs, launch=plain_launch)
     else:
-        out, _ = torch.ops.flash.attention_forward(*inputs)
-    return out
+        out, lse = torch.ops.flash.attention_forward(*inputs)
+    return _mean_on_masked_rows(out, lse, v) if fully_masked_rows == "mean" else out
 
 
 def _assert_longest_fits(cu_seqlens, max_seqlen, total, which: str) -> None:
