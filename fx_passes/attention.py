@@ -2384,8 +2384,9 @@ def _uniform_masked_rows(cand: _Candidate, steps, fills: dict) -> bool:
     Each masked key holds the fill of the outermost keep step that masks it, and what comes after
     (constant scales, casts, per-row shifts) maps equal values to equal values. So: one finite fill value
     for every keep step, and every additive mask inside all of them (overwritten on the keys they mask),
-    holding finite values only (a -inf there masks a key in the op that eager fills with the others, or
-    leaves at -inf: its average would be over the other keys). A mask added after a fill adds to it (two
+    holding values far from overflow only (_holds_finite: a key that such a mask alone makes -inf is masked
+    in the op, whose row then sees no key where eager's row averages the filled keys only). A mask added
+    after a fill adds to it (two
     finfo.min overflow to -inf on some keys: eager averages over the others); a clamp makes the -inf fills
     inside it its bound: both left as they were (the op gives 0 there, reported)."""
     keeps = [i for i, (kind, _) in enumerate(steps) if kind == "keep"]
@@ -2405,11 +2406,13 @@ _FINITE_FACTORIES = {"full": 1, "new_full": 2, "full_like": 1, "zeros": None, "o
 
 
 def _holds_finite(node, depth: int = 12) -> bool:
-    """Whether a mask holds finite values only: a finite constant, a factory filled with one, torch.where
-    or masked_fill (in place too) of such values, seen through views and casts to a dtype of no smaller
-    range. flash-attn's key padding bias is ``torch.full(.., -10000.0).masked_fill_(keep, 0.0)``."""
+    """Whether a mask holds finite values only, at most half its dtype's range: constants of that size, a
+    factory filled with one, torch.where or masked_fill (in place too) of such values, seen through views
+    and casts to a dtype of no smaller range. flash-attn's key padding bias is ``torch.full(.., -10000.0)
+    .masked_fill_(keep, 0.0)``. The margin: the kernels scale the mask by log2(e), which makes a finfo.min
+    -inf, a key masked in the op that eager does not fill."""
     if is_number(node):
-        return math.isfinite(float(node))
+        return abs(float(node)) <= torch.finfo(torch.float32).max / 2
     if not isinstance(node, Node) or depth == 0:
         return False
     meta = tensor_meta(node)
@@ -2417,7 +2420,7 @@ def _holds_finite(node, depth: int = 12) -> bool:
         return False
 
     def fits(value) -> bool:
-        return is_number(value) and abs(float(value)) <= torch.finfo(meta.dtype).max
+        return is_number(value) and abs(float(value)) <= torch.finfo(meta.dtype).max / 2
 
     name = op_name(node)
     if node.op == "call_function" and node.target is operator.getitem:
@@ -2440,7 +2443,8 @@ def _holds_finite(node, depth: int = 12) -> bool:
                 and (name != "view" or source == meta.dtype) and _holds_finite(node.args[0], depth - 1))
     if meta.numel() <= _CONST_EVAL_MAX_NUMEL:
         try:
-            return bool(torch.isfinite(torch.as_tensor(_const_eval(node))).all())
+            values = torch.as_tensor(_const_eval(node), dtype=torch.float64)
+            return bool((values.abs() <= torch.finfo(meta.dtype).max / 2).all())
         except Exception:  # noqa: BLE001 - not a compile-time constant
             return False
     return False

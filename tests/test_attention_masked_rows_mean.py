@@ -200,3 +200,32 @@ def test_bias_added_after_the_fill_keeps_the_note():
     bias = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(3))
     (rewrite,) = flash_backend.explain(BiasAfterFill(), q, k, v, keep, bias, print_report=False).rewrites
     assert ZERO_NOTE in rewrite.detail and MEAN_NOTE not in rewrite.detail, rewrite.detail
+
+
+
+class BiasInsideFill(nn.Module):
+    """A padding bias, then a -1e4 fill over it (flash-attn's order; transformers' bias is finfo.min)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, q, k, v, pad_keep, keep):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        value = torch.finfo(s.dtype).min if self.value is None else self.value
+        bias = torch.zeros(pad_keep.shape, dtype=s.dtype).masked_fill(~pad_keep, value)
+        return torch.softmax((s + bias[:, None, None, :]).masked_fill(~keep[:, None], -1e4), -1) @ v
+
+
+@pytest.mark.parametrize("value", [None, -1e4], ids=["finfo.min", "-1e4"])
+def test_bias_inside_the_fill_is_taken_when_far_from_overflow(value):
+    """The fill overwrites the bias on the keys it masks; a bias of finfo.min overflows in the kernels
+    (scaled by log2(e)), which would mask keys eager does not fill: the mean is asked for with -1e4 only."""
+    q, k, v = _qkv((2, 2, 6, 16), (2, 2, 6, 16))
+    pad_keep = torch.ones(2, 6, dtype=torch.bool)
+    pad_keep[0, 5] = False
+    args = (q, k, v, pad_keep, _keep(2, 6, 6, dead=[(1, 3)]))
+    (rewrite,) = flash_backend.explain(BiasInsideFill(value), *args, print_report=False).rewrites
+    assert (ZERO_NOTE if value is None else MEAN_NOTE) in rewrite.detail, rewrite.detail
+    if value is not None:
+        _compare(BiasInsideFill(value), args)
