@@ -782,6 +782,40 @@ def test_cuda_fully_masked_rows_and_determinism():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize(("B", "H", "Hkv", "S"), [(2, 4, 2, 300), (8, 16, 8, 2048)])
+def test_cuda_fully_masked_rows_mean(B, H, Hkv, S):
+    """fully_masked_rows="mean" (what the pass asks for where eager's one finite fill masks a whole row)
+    selects the rows by the kernels' logsumexp, +inf where no key is visible: those rows are the mean of v
+    (GQA grouping), the others the op's. A small case (Triton kernels) and a padding mask with one sequence
+    that has no live key at a size the Gluon kernels take (2**28 scores and more)."""
+    q, k, v = _qkv(B, H, Hkv, S, S, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    if S < 2048:
+        mask = torch.rand(B, H, S, S, device="cuda") > 0.5
+        mask[:, :, 100:140] = False
+        dead = torch.zeros(B, H, S, dtype=torch.bool, device="cuda")
+        dead[:, :, 100:140] = True
+    else:
+        mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device="cuda")
+        mask[1] = False  # batch 1 has no live key: every one of its rows is dead
+        mask[0, ..., S // 2:] = False
+        dead = torch.zeros(B, H, S, dtype=torch.bool, device="cuda")
+        dead[1] = True
+    zero = flash_attention(q, k, v, attn_mask=mask)
+    mean = flash_attention(q, k, v, attn_mask=mask, fully_masked_rows="mean")
+    want = v.float().mean(2, keepdim=True).repeat_interleave(H // Hkv, 1).expand(B, H, S, 64)
+    assert (zero[dead] == 0).all()
+    assert (mean[~dead] == zero[~dead]).all()
+    assert (mean.float()[dead] - want[dead]).abs().max().item() < 1e-2
+    dv = torch.autograd.grad(mean, v, torch.ones_like(mean))[0]
+    dv_zero = torch.autograd.grad(zero, v, torch.ones_like(zero))[0]
+    # each dead row adds 1 / S to every key of its k/v head
+    extra = dead.float().sum(2).view(B, Hkv, H // Hkv).sum(2)[..., None, None] / S
+    # (bf16 sums: the op's dv plus the mean's, rounded once)
+    err = (dv.float() - dv_zero.float() - extra).abs().max().item()
+    assert err < 1e-2 * dv.float().abs().max().item() + 1e-2
+
+
+@pytest.mark.cuda
 def test_cuda_long_sequence_memory():
     S = 32768
     q, k, v = _qkv(1, 4, 4, S, S, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
