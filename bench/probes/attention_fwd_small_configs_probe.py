@@ -1,0 +1,132 @@
+"""H200: the Triton kernels' tiles at the short rows they keep (head_dim 64 below 2048 query rows, ViT, BERT).
+
+FWD_CONFIGS / DKDV_CONFIGS / DQ_CONFIGS were swept at 8,16,2048 (bench_attention --sweep); the rows below
+run the same tiles. Per shape, every (BLOCK_M, BLOCK_N, warps, stages) candidate, kernels alone, as CUDA
+graphs replayed in interleaved rounds with cuDNN's forward (backward: cuDNN's fwd+bwd minus its forward) as
+the anchor; each candidate's output or gradients checked against fp32 first.
+
+    PYTHONPATH=. python bench/probes/attention_fwd_small_configs_probe.py
+"""
+
+# ruff: noqa: B023  (each closure is captured inside the iteration that defines it)
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench._common import capture_graph, interleaved_graph_us
+from flash_backend.kernels import attention_fwd
+
+SHAPES = [(16, 16, 1024, 64, False), (16, 16, 1024, 64, True), (16, 12, 1024, 64, True),
+          (64, 12, 197, 64, False), (32, 12, 512, 64, False)]
+CANDIDATES = [*itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)), (128, 64, 8, 4), (64, 64, 4, 4)]
+# the backward's shapes on the Triton backward (the Gluon one takes 16,16,1024,64 non-causal)
+BWD_SHAPES = [(16, 16, 1024, 64, True), (64, 12, 197, 64, False)]
+TILES = [*itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+DKDV_CANDIDATES = [c for c in TILES if c[0] <= 64 and c[1] >= 64]
+DQ_CANDIDATES = [c for c in TILES if c[0] >= 64 and c[1] <= 64]
+
+
+def forward_sweep():
+    for B, H, S, D, causal in SHAPES:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        scale = D ** -0.5
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+        current = attention_fwd.fwd_config(D, causal)
+        graphs, errors = {}, {}
+        for cfg in [current] + [c for c in CANDIDATES if c != current]:
+            out = torch.empty_like(q)
+            lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+
+            def step(out=out, lse=lse, cfg=cfg):
+                attention_fwd.attention_forward_launch(q, k, v, None, None, 0.0, scale, -1,
+                                                       0 if causal else -1, False, out, lse, config=cfg)
+
+            try:
+                step()
+                torch.cuda.synchronize()
+            except Exception as e:  # out of shared memory etc.: report and go on
+                print(f"  {cfg}: FAIL {type(e).__name__} {str(e)[:80]}")
+                continue
+            errors[cfg] = (out.float() - ref).abs().max().item()
+            graphs[cfg] = capture_graph(step)
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        graphs["cudnn"] = capture_graph(cudnn)
+        us = interleaved_graph_us(graphs, rounds=7, reps=20)
+        base = us[current]
+        print(f"== {B},{H},{S},{D} causal={causal}: current {current} {base:.1f} us, cuDNN "
+              f"{us['cudnn']:.1f} us (current x cuDNN {us['cudnn'] / base:.3f}); error of current "
+              f"{errors[current]:.2e}", flush=True)
+        ranked = sorted((t, c) for c, t in us.items() if c != "cudnn")
+        for t, c in ranked[:8]:
+            print(f"  {c}: {t:8.1f} us  x current {base / t:.3f}  x cuDNN {us['cudnn'] / t:.3f}  "
+                  f"err {errors[c]:.2e}", flush=True)
+
+
+def backward_sweep():
+    from flash_backend.kernels import attention_bwd
+
+    for B, H, S, D, causal in BWD_SHAPES:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+        scale = D ** -0.5
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal), (qf, kf, vf),
+                                  dout.float())
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+        wr = 0 if causal else -1
+        attention_fwd.attention_forward_launch(q, k, v, None, None, 0.0, scale, -1, wr, False, out, lse)
+        current = attention_bwd.default_configs(D, 0.0, False)
+        cands = [current] + [(c, current[1]) for c in DKDV_CANDIDATES if c != current[0]]
+        cands += [(current[0], c) for c in DQ_CANDIDATES if c != current[1]]
+        graphs, errors = {}, {}
+        for cfg in cands:
+            grads = tuple(torch.empty_like(t) for t in (q, k, v))
+
+            def step(grads=grads, cfg=cfg):
+                attention_bwd.attention_backward_launch(dout, q, k, v, out, lse, None, None, 0.0, scale, -1,
+                                                        wr, False, *grads, None, config=cfg)
+
+            try:
+                step()
+                torch.cuda.synchronize()
+            except Exception as e:  # out of shared memory etc.: report and go on
+                print(f"  {cfg}: FAIL {type(e).__name__} {str(e)[:80]}")
+                continue
+            errors[cfg] = max(((g.float() - r).abs().max() / r.abs().max()).item()
+                              for g, r in zip(grads, ref, strict=True))
+            graphs[cfg] = capture_graph(step)
+        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def cudnn_fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal)
+
+        def cudnn_step():
+            torch.autograd.grad(cudnn_fwd(), (qd, kd, vd), dout)
+
+        graphs["cudnn_fwd"] = capture_graph(cudnn_fwd)
+        graphs["cudnn_step"] = capture_graph(cudnn_step)
+        us = interleaved_graph_us(graphs, rounds=7, reps=20)
+        cudnn_bwd = us.pop("cudnn_step") - us.pop("cudnn_fwd")
+        base = us[current]
+        print(f"== bwd {B},{H},{S},{D} causal={causal}: current {current} {base:.1f} us, cuDNN's backward "
+              f"{cudnn_bwd:.1f} us (current x cuDNN {cudnn_bwd / base:.3f}); rel error of current "
+              f"{errors[current]:.2e}", flush=True)
+        for t, c in sorted((t, c) for c, t in us.items())[:8]:
+            print(f"  {c}: {t:8.1f} us  x current {base / t:.3f}  x cuDNN {cudnn_bwd / t:.3f}  "
+                  f"err {errors[c]:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    forward_sweep()
+    backward_sweep()
