@@ -401,6 +401,41 @@ def test_causal_group_ctas(monkeypatch):
     assert attention_fwd.causal_group_ctas(torch.device("cpu"), True, False) == 0
 
 
+def test_short_keys_tile_rule():
+    """The short-keys tile only where it was measured faster (short keys, head_dim <= 64, no causal mask, mask
+    or dropout), and never from a symbolic length that would need a guard (no recompile for it)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from flash_backend.kernels.attention_fwd import SHORT_KEYS_MAX, short_keys_tile
+
+    assert short_keys_tile(64, False, False, False, 197)
+    assert short_keys_tile(32, False, False, False, SHORT_KEYS_MAX)
+    assert not short_keys_tile(64, False, False, False, SHORT_KEYS_MAX + 1)
+    assert not short_keys_tile(128, False, False, False, 197)
+    assert not short_keys_tile(64, True, False, False, 197)
+    assert not short_keys_tile(64, False, True, False, 197)
+    assert not short_keys_tile(64, False, False, True, 197)
+    env = ShapeEnv()
+    seq_k = env.create_symintnode(env.create_symbol(197, source=ConstantSource("seq_k")), hint=197)
+    assert not short_keys_tile(64, False, False, False, seq_k)
+    assert not env.guards
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("Sq, Sk", [(37, 45), (130, 70)])
+def test_short_keys_tile_under_interpreter(interpreter, Sq, Sk):
+    from flash_backend.kernels.attention_fwd import SHORT_KEYS_FWD_CONFIG, attention_forward_launch
+
+    q, k, v = _qkv(1, 2, 2, Sq, Sk, 32, dtype=torch.float16)
+    args = (None, None, 0.0, 0.3, -1, -1, False)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    attention_forward_launch(q, k, v, *args, out, lse, config=SHORT_KEYS_FWD_CONFIG)
+    ref_out, ref_lse = attention_reference(q, k, v, *args)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+
+
 @pytest.mark.interpret
 def test_mask_key_ranges_under_interpreter(interpreter):
     """The live key range of each mask row: first live key, last live key + 1; (0, 0) for a row with none.
@@ -573,6 +608,10 @@ CUDA_CASES = {
     "bool_mask": dict(D=128, mask="bool"),
     "padding_bool": dict(D=64, mask="padding"),
     "transposed_layout": dict(D=128, bshd=True, is_causal=True),
+    # keys up to SHORT_KEYS_MAX: the forward's short-keys tile (attention_fwd.short_keys_tile)
+    "short_keys_vit": dict(D=64, Sq=197, Sk=197),
+    "short_keys_gqa_odd": dict(D=40, Hq=4, Hkv=2, Sq=77, Sk=224),
+    "short_keys_transposed": dict(D=64, Sq=33, Sk=31, bshd=True),
 }
 
 
