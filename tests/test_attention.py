@@ -412,6 +412,9 @@ def test_short_keys_tile_rule():
     assert short_keys_tile(64, False, False, False, 197)
     assert short_keys_tile(32, False, False, False, SHORT_KEYS_MAX)
     assert not short_keys_tile(64, False, False, False, SHORT_KEYS_MAX + 1)
+    assert not short_keys_tile(64, False, False, False, 256)  # whole 64-key blocks: measured 0.99x
+    assert short_keys_tile(64, False, False, False, 257) and short_keys_tile(64, False, False, False, 288)
+    assert not short_keys_tile(64, False, False, False, 289)
     assert not short_keys_tile(128, False, False, False, 197)
     assert not short_keys_tile(64, True, False, False, 197)
     assert not short_keys_tile(64, False, True, False, 197)

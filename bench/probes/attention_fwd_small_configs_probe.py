@@ -36,7 +36,7 @@ def forward_sweep(shapes, candidates=CANDIDATES):
         scale = D ** -0.5
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         current = attention_fwd.fwd_config(D, causal)
-        graphs, errors = {}, {}
+        graphs, errors, keep = {}, {}, []
         for cfg in [current] + [c for c in candidates if c != current]:
             out = torch.empty_like(q)
             lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
@@ -54,6 +54,7 @@ def forward_sweep(shapes, candidates=CANDIDATES):
             errors[cfg] = (out.float() - ref).abs().max().item()
             print(f"  replaying {cfg}", flush=True)  # the last line before a fault names the tile
             graphs[cfg] = capture_graph(step)
+            keep.append((out, lse))  # graph_replay_fault_probe.py: a graph must not outlive its buffers
             for _ in range(3):
                 graphs[cfg].replay()
             torch.cuda.synchronize()
@@ -95,7 +96,7 @@ def backward_sweep(shapes=BWD_SHAPES):
         current = attention_bwd.default_configs(D, 0.0, False)
         cands = [current] + [(c, current[1]) for c in DKDV_CANDIDATES if c != current[0]]
         cands += [(current[0], c) for c in DQ_CANDIDATES if c != current[1]]
-        graphs, errors = {}, {}
+        graphs, errors, keep = {}, {}, []
         for cfg in cands:
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
@@ -113,6 +114,7 @@ def backward_sweep(shapes=BWD_SHAPES):
                               for g, r in zip(grads, ref, strict=True))
             print(f"  replaying {cfg}", flush=True)
             graphs[cfg] = capture_graph(step)
+            keep.append(grads)
             for _ in range(3):
                 graphs[cfg].replay()
             torch.cuda.synchronize()

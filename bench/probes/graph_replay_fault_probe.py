@@ -1,9 +1,15 @@
-"""H200: the illegal memory access that attention_fwd_small_configs_probe.py hit in 4 of its 5 runs, always in
+"""H200: the illegal memory access attention_fwd_small_configs_probe.py hit in 4 of its 5 runs, always in
 interleaved_graph_us and never in the first shape of a process, after each graph had replayed cleanly
-three times on its own. Is cuDNN's captured SDPA implicated, or our Triton forward under CUDA graphs alone?
+three times on its own.
+
+The cause was the probe's: each candidate's out / lse lived only as default arguments of its step closure,
+and the next candidate rebound them, so a captured graph went on writing into freed blocks; the next
+capture (torch.cuda.graph empties the allocator's cache first) could hand those segments back to the
+driver, and the replay faulted. `keep` holds every captured buffer now. Modes:
 
     PYTHONPATH=. python bench/probes/graph_replay_fault_probe.py ours      # our forward's graphs only
     PYTHONPATH=. python bench/probes/graph_replay_fault_probe.py cudnn     # a cuDNN graph before each shape
+    PYTHONPATH=. python bench/probes/graph_replay_fault_probe.py ours drop # buffers dropped, as the probe did
 """
 
 # ruff: noqa: B023  (each closure is captured inside the iteration that defines it)
@@ -18,8 +24,9 @@ from bench._common import bench_ms, capture_graph, interleaved_graph_us
 from flash_backend.kernels import attention_fwd
 
 
-def main(with_cudnn: bool):
+def main(with_cudnn: bool, drop_buffers: bool):
     torch.manual_seed(0)
+    keep = []  # every buffer a captured graph writes, alive as long as the graphs replay
     for rep in range(3):
         for S in (64, 128, 197, 256, 320, 384):
             q, k, v = (torch.randn(64, 12, S, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -39,10 +46,12 @@ def main(with_cudnn: bool):
                                                            out, lse, config=cfg)
 
                 graphs[cfg] = capture_graph(step)
+                if not drop_buffers:
+                    keep.append((out, lse))
             us = interleaved_graph_us(graphs, rounds=7, reps=20)
             print(f"{'cudnn' if with_cudnn else 'ours'} rep {rep} S={S}: ok "
                   + ", ".join(f"{c} {t:.1f} us" for c, t in us.items()), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] == "cudnn")
+    main(sys.argv[1] == "cudnn", "drop" in sys.argv[2:])

@@ -67,13 +67,15 @@ FWD_CONFIGS = {
 }
 
 
-# Short keys at head_dim <= 64 without causal masking, a mask or dropout (ViT-base's 197 tokens): 32-key
-# blocks in four warps. The forward alone against FWD_CONFIGS' tile at 64,12,S (CUDA graphs in interleaved
-# rounds, bench/logs/attention_fwd_small_configs_s35_h200.log): 1.08x at 64 and 128 keys, 1.126x at 197
-# (224 keys in 32-key blocks against 256 in 64-key ones), 0.99x at 256, 0.98x at 320, 0.97x at 384,
-# 0.943x at 32,12,512, 0.897x at 16,16,1024.
+# Short keys at head_dim <= 64 without causal masking, a mask or dropout (ViT-base's 197 tokens, CLIP
+# ViT-L/14's 257): 32-key blocks in four warps. The forward alone against FWD_CONFIGS' tile at 64,12,S
+# (CUDA graphs in interleaved rounds, bench/logs/attention_fwd_small_configs_s35_h200.log): 1.08x at 64
+# and 128 keys, 1.13x at 197 (224 keys in 32-key blocks against 256 in 64-key ones), 0.99x at 256, 1.09x
+# at 257 (288 against 320), 0.98x at 320, 0.97x at 384, 0.94x at 32,12,512, 0.90x at 16,16,1024. So: up
+# to SHORT_KEYS_MAX keys, and past 256 while the last 64-key block would be at most half full.
 SHORT_KEYS_FWD_CONFIG = (128, 32, 4, 3)
 SHORT_KEYS_MAX = 224
+SHORT_KEYS_HALF_BLOCK_RANGE = (257, 288)
 
 
 def short_keys_tile(head_dim, causal: bool, has_mask: bool, has_dropout: bool, seq_k) -> bool:
@@ -81,9 +83,11 @@ def short_keys_tile(head_dim, causal: bool, has_mask: bool, has_dropout: bool, s
     known to be short without a guard counts (dynamic shapes keep FWD_CONFIGS, and never recompile for it)."""
     if causal or has_mask or has_dropout or head_dim_bucket(head_dim) != 64:
         return False
+    lo, hi = SHORT_KEYS_HALF_BLOCK_RANGE
     if isinstance(seq_k, int):
-        return seq_k <= SHORT_KEYS_MAX
-    return statically_known_true(seq_k <= SHORT_KEYS_MAX)
+        return seq_k <= SHORT_KEYS_MAX or lo <= seq_k <= hi
+    return statically_known_true(seq_k <= SHORT_KEYS_MAX) or (statically_known_true(seq_k >= lo)
+                                                              and statically_known_true(seq_k <= hi))
 
 
 def head_dim_bucket(d: int) -> int:
