@@ -78,7 +78,9 @@ def forward_sweep(shapes, candidates=CANDIDATES):
               f"{cudnn_us / min(us.values()):.3f}", flush=True)
 
 
-def backward_sweep(shapes=BWD_SHAPES):
+def backward_sweep(shapes=BWD_SHAPES, candidates=None):
+    """candidates: (dK/dV, dQ) config pairs; by default the current pair, then each tile of DKDV_CANDIDATES
+    with the current dQ tile and each of DQ_CANDIDATES with the current dK/dV tile."""
     from flash_backend.kernels import attention_bwd
 
     for B, H, S, D, causal in shapes:
@@ -94,8 +96,11 @@ def backward_sweep(shapes=BWD_SHAPES):
         wr = 0 if causal else -1
         attention_fwd.attention_forward_launch(q, k, v, None, None, 0.0, scale, -1, wr, False, out, lse)
         current = attention_bwd.default_configs(D, 0.0, False)
-        cands = [current] + [(c, current[1]) for c in DKDV_CANDIDATES if c != current[0]]
-        cands += [(current[0], c) for c in DQ_CANDIDATES if c != current[1]]
+        if candidates is None:
+            cands = [current] + [(c, current[1]) for c in DKDV_CANDIDATES if c != current[0]]
+            cands += [(current[0], c) for c in DQ_CANDIDATES if c != current[1]]
+        else:
+            cands = [current] + [c for c in candidates if c != current]
         graphs, errors, keep = {}, {}, []
         for cfg in cands:
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
@@ -145,6 +150,11 @@ if __name__ == "__main__":
         lengths = (64, 128, 197, 256, 257, 320, 384)
         forward_sweep([(64, 12, s, 64, False) for s in lengths], [(128, 64, 8, 3), (128, 32, 4, 3)])
         backward_sweep([(64, 12, 197, 64, False)])
+        sys.exit()
+    if sys.argv[1:] == ["bwd-short"]:  # ViT's dK/dV tile (session 35: 1.122x at 197 keys) over key lengths
+        lengths = (64, 128, 197, 256, 257, 320, 384, 512)
+        dkdv = [(64, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 4, 3)]
+        backward_sweep([(64, 12, s, 64, False) for s in lengths], [(c, (64, 64, 4, 2)) for c in dkdv])
         sys.exit()
     # argv: indices into SHAPES to sweep (default all), "bwd" for the backward sweep only
     picked = [SHAPES[int(a)] for a in sys.argv[1:] if a.isdigit()] or SHAPES
