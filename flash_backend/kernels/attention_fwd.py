@@ -78,10 +78,11 @@ SHORT_KEYS_MAX = 224
 SHORT_KEYS_HALF_BLOCK_RANGE = (257, 288)
 
 
-def short_keys_tile(head_dim, causal: bool, has_mask: bool, has_dropout: bool, seq_k) -> bool:
-    """Whether a forward runs SHORT_KEYS_FWD_CONFIG. seq_k may be a SymInt in a traced graph: only a length
-    known to be short without a guard counts (dynamic shapes keep FWD_CONFIGS, and never recompile for it)."""
-    if causal or has_mask or has_dropout or head_dim_bucket(head_dim) != 64:
+def short_keys_tile(head_dim, windowed: bool, has_mask: bool, has_dropout: bool, seq_k) -> bool:
+    """Whether a forward runs SHORT_KEYS_FWD_CONFIG (windowed: causal or a sliding window). seq_k may be a
+    SymInt in a traced graph: only a length known to be in range without a guard counts (dynamic shapes keep
+    FWD_CONFIGS, and never recompile for it)."""
+    if windowed or has_mask or has_dropout or head_dim_bucket(head_dim) != 64:
         return False
     lo, hi = SHORT_KEYS_HALF_BLOCK_RANGE
     if isinstance(seq_k, int):
