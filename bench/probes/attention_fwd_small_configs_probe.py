@@ -30,44 +30,58 @@ DKDV_CANDIDATES = [c for c in TILES if c[0] <= 64 and c[1] >= 64]
 DQ_CANDIDATES = [c for c in TILES if c[0] >= 64 and c[1] <= 64]
 
 
+def _timed_candidates(candidates, make_step, error_of):
+    """{candidate: GPU us} of each candidate that runs, and {candidate: error}: make_step(cfg) -> (step,
+    buffers it writes), error_of(buffers) -> its error against fp32. Each candidate is checked, captured and
+    replayed alone first; then all in interleaved rounds."""
+    graphs, errors, keep = {}, {}, []
+    for cfg in candidates:
+        step, buffers = make_step(cfg)
+        try:
+            step()
+            torch.cuda.synchronize()
+        except Exception as e:  # out of shared memory etc.: report and go on
+            print(f"  {cfg}: FAIL {type(e).__name__} {str(e)[:80]}")
+            continue
+        errors[cfg] = error_of(buffers)
+        print(f"  replaying {cfg}", flush=True)  # the last line before a fault names the tile
+        graphs[cfg] = capture_graph(step)
+        keep.append(buffers)  # graph_replay_fault_probe.py: a graph must not outlive its buffers
+        for _ in range(3):
+            graphs[cfg].replay()
+        torch.cuda.synchronize()
+        errors[cfg] = max(errors[cfg], error_of(buffers))
+    return interleaved_graph_us(graphs, rounds=7, reps=20), errors
+
+
+def _report(title, us, errors, current):
+    base = us[current]
+    print(f"== {title}: current {current} {base:.1f} us; error of current {errors[current]:.2e}", flush=True)
+    for t, c in sorted((t, c) for c, t in us.items())[:8]:
+        print(f"  {c}: {t:8.1f} us  x current {base / t:.3f}  err {errors[c]:.2e}", flush=True)
+    return base
+
+
 def forward_sweep(shapes, candidates=CANDIDATES):
     for B, H, S, D, causal in shapes:
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         scale = D ** -0.5
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         current = attention_fwd.fwd_config(D, causal)
-        graphs, errors, keep = {}, {}, []
-        for cfg in [current] + [c for c in candidates if c != current]:
+
+        def make_step(cfg):
             out = torch.empty_like(q)
             lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
 
-            def step(out=out, lse=lse, cfg=cfg):
+            def step():
                 attention_fwd.attention_forward_launch(q, k, v, None, None, 0.0, scale, -1,
                                                        0 if causal else -1, False, out, lse, config=cfg)
 
-            try:
-                step()
-                torch.cuda.synchronize()
-            except Exception as e:  # out of shared memory etc.: report and go on
-                print(f"  {cfg}: FAIL {type(e).__name__} {str(e)[:80]}")
-                continue
-            errors[cfg] = (out.float() - ref).abs().max().item()
-            print(f"  replaying {cfg}", flush=True)  # the last line before a fault names the tile
-            graphs[cfg] = capture_graph(step)
-            keep.append((out, lse))  # graph_replay_fault_probe.py: a graph must not outlive its buffers
-            for _ in range(3):
-                graphs[cfg].replay()
-            torch.cuda.synchronize()
-            errors[cfg] = max(errors[cfg], (out.float() - ref).abs().max().item())
+            return step, (out, lse)
 
-        # ours first, cuDNN after: with cuDNN's graphs captured among ours, the interleaved replays hit an
-        # illegal memory access twice (each of our graphs had replayed cleanly on its own)
-        us = interleaved_graph_us(graphs, rounds=7, reps=20)
-        base = us[current]
-        print(f"== {B},{H},{S},{D} causal={causal}: current {current} {base:.1f} us; error of current "
-              f"{errors[current]:.2e}", flush=True)
-        for t, c in sorted((t, c) for c, t in us.items())[:8]:
-            print(f"  {c}: {t:8.1f} us  x current {base / t:.3f}  err {errors[c]:.2e}", flush=True)
+        us, errors = _timed_candidates([current] + [c for c in candidates if c != current], make_step,
+                                       lambda bufs: (bufs[0].float() - ref).abs().max().item())
+        base = _report(f"{B},{H},{S},{D} causal={causal}", us, errors, current)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -101,34 +115,22 @@ def backward_sweep(shapes=BWD_SHAPES, candidates=None):
             cands += [(current[0], c) for c in DQ_CANDIDATES if c != current[1]]
         else:
             cands = [current] + [c for c in candidates if c != current]
-        graphs, errors, keep = {}, {}, []
-        for cfg in cands:
+
+        def make_step(cfg):
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
-            def step(grads=grads, cfg=cfg):
+            def step():
                 attention_bwd.attention_backward_launch(dout, q, k, v, out, lse, None, None, 0.0, scale, -1,
                                                         wr, False, *grads, None, config=cfg)
 
-            try:
-                step()
-                torch.cuda.synchronize()
-            except Exception as e:  # out of shared memory etc.: report and go on
-                print(f"  {cfg}: FAIL {type(e).__name__} {str(e)[:80]}")
-                continue
-            errors[cfg] = max(((g.float() - r).abs().max() / r.abs().max()).item()
-                              for g, r in zip(grads, ref, strict=True))
-            print(f"  replaying {cfg}", flush=True)
-            graphs[cfg] = capture_graph(step)
-            keep.append(grads)
-            for _ in range(3):
-                graphs[cfg].replay()
-            torch.cuda.synchronize()
-        us = interleaved_graph_us(graphs, rounds=7, reps=20)
-        base = us[current]
-        print(f"== bwd {B},{H},{S},{D} causal={causal}: current {current} {base:.1f} us; rel error of "
-              f"current {errors[current]:.2e}", flush=True)
-        for t, c in sorted((t, c) for c, t in us.items())[:8]:
-            print(f"  {c}: {t:8.1f} us  x current {base / t:.3f}  err {errors[c]:.2e}", flush=True)
+            return step, grads
+
+        def rel_error(grads):
+            return max(((g.float() - r).abs().max() / r.abs().max()).item()
+                       for g, r in zip(grads, ref, strict=True))
+
+        us, errors = _timed_candidates(cands, make_step, rel_error)
+        base = _report(f"bwd {B},{H},{S},{D} causal={causal}", us, errors, current)
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
 
         def cudnn_fwd():
