@@ -31,6 +31,22 @@ _FRESH = ("matmul", "bmm", "einsum", "baddbmm", "linear", "mul", "div", "add", "
           "clone")
 
 
+# Reads of a tensor's metadata only, by position: ``t.size()`` (0), ``m.expand_as(t)`` / ``m.type_as(t)`` (1).
+# A read of t's size or dtype before a write into t sees nothing of the write: XLM's
+# ``mask = (mask == 0).view(..).expand_as(scores); scores.masked_fill_(mask, min)`` (review s35 M1), where
+# expand_as's result is a view of the mask, never of the scores.
+_METADATA_READS = {"size": 0, "dim": 0, "numel": 0, "stride": 0, "expand_as": 1, "type_as": 1}
+
+
+def _reads_metadata_only(user: torch.fx.Node, base: torch.fx.Node) -> bool:
+    pos = _METADATA_READS.get(op_name(user)) if user.op in ("call_method", "call_function") else None
+    if pos is None or len(user.args) <= pos or user.args[pos] is not base:
+        return False
+    others: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((user.args[:pos], user.args[pos + 1:], user.kwargs), others.append)
+    return base not in others
+
+
 def _same_dims(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
 
@@ -69,7 +85,8 @@ def functionalize_in_place(graph: Graph) -> None:
         if not isinstance(node.args[0], torch.fx.Node) or tensor_meta(node.args[0]) is None:
             continue
         base = node.args[0]
-        if not _fresh(base) or any(order[u] < order[node] for u in base.users if u is not node):
+        if not _fresh(base) or any(order[u] < order[node] for u in base.users
+                                   if u is not node and not _reads_metadata_only(u, base)):
             continue
         try:
             result = fake_call(getattr(torch.Tensor, name), node.args, node.kwargs)

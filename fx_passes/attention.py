@@ -266,7 +266,7 @@ def _real_args(node: Node, memo: dict, hints, live: dict | None = None):
             return live[a]
         if template is not None and a is template:
             meta = tensor_meta(a)
-            if pos:  # a cast's template: its dtype and device only (m.type_as(q), m.to(q))
+            if pos and op_name(node) in _TEMPLATE_CASTS:  # its dtype and device only (m.type_as(q), m.to(q))
                 if meta is None:
                     raise _Skip("a template without a tensor value")
                 with _real_mode():
@@ -1544,13 +1544,17 @@ _LIKE_FACTORIES = ("full_like", "zeros_like", "ones_like", "empty_like", "new_fu
 
 # Casts that take a tensor as a template for its dtype and device only: ``m.type_as(t)``, ``m.to(t)``.
 _TEMPLATE_CASTS = ("type_as", "to")
+# Views that take a tensor as a template for its shape only: XLM's / Flaubert's ``mask.expand_as(scores)``
+# (review s35 M1: a read of the scores' size, which left the attention with "other users").
+_SHAPE_TEMPLATES = ("expand_as",)
 
 
 def _template_position(node) -> int | None:
     """Where node takes a tensor it reads the metadata of only: a like-factory's first argument (0), a cast's
-    template (1: ``mask.type_as(scores)``, Meta's Llama ``mask.type_as(h)``); else None."""
+    template (1: ``mask.type_as(scores)``, Meta's Llama ``mask.type_as(h)``), an expand_as's (1); else
+    None."""
     name = op_name(node) if isinstance(node, Node) else None
-    return 0 if name in _LIKE_FACTORIES else 1 if name in _TEMPLATE_CASTS else None
+    return 0 if name in _LIKE_FACTORIES else 1 if name in _TEMPLATE_CASTS + _SHAPE_TEMPLATES else None
 
 
 def _reads_metadata_only(user: Node, template: Node) -> bool:
@@ -2131,6 +2135,22 @@ def _merged_bias(graph: Graph, terms: list[Node], split_shape, n_query: int, n_l
     return total
 
 
+def _unexpanded_mask(cand: _Candidate, cond, step: Node, scores: Node):
+    """XLM's / Flaubert's ``scores.masked_fill_((mask == 0).view(..).expand_as(scores), min)``: a mask (a
+    condition, or an additive mask) brought to the scores' shape by an expand_as of these very scores, and
+    read by this step only, is taken as its source (review s35 M1). masked_fill, torch.where, + and -
+    broadcast the source to the scores as the expand_as did, so the step is the same function; the
+    expand_as, a read of the scores' size, is erased with the pattern (_scores_side lets no other one
+    through: it would keep q·kᵀ computed beside the op)."""
+    if (isinstance(cond, Node) and op_name(cond) == "expand_as" and len(cond.args) == 2 and not cond.kwargs
+            and cond.args[1] is scores and isinstance(cond.args[0], Node)
+            and tensor_meta(cond.args[0]) is not None and set(cond.users) == {step}
+            and not _reaches_matmul(cond.args[0])):  # a mask, not a shift computed from the scores
+        cand.chain.append(cond)
+        return cond.args[0]
+    return cond
+
+
 def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
     """Walk from the softmax input down to q·kᵀ, collecting scales, masks and casts. softmax_nodes: the
     nodes of a written-out softmax, which read its input (the row max and the shift)."""
@@ -2149,7 +2169,9 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             if u is not consumer
             and u not in side_reads
             and not _casts_probs_like(u, x, softmax)
-            and not _reads_metadata_only(u, x)
+            # an expand_as of the scores reads their size only, but is taken only as a mask's, peeled
+            # (_unexpanded_mask): another one would keep q·kᵀ computed for its template
+            and not (_reads_metadata_only(u, x) and (op_name(u) not in _SHAPE_TEMPLATES or u in cand.chain))
         ]
         if others:
             raise _Skip(f"intermediate '{x.name}' has other users ({', '.join(others)})")
@@ -2218,6 +2240,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 # torch.add(a, b, alpha=c) is a + c·b: the mask scaled (s + m·c), or the scores (m + s·c)
                 raise _Skip(f"'{x.name}' adds with alpha={alpha}: the mask or the scores would be scaled")
             scores, mask = (a, b) if ra else (b, a)
+            mask = _unexpanded_mask(cand, mask, x, scores)
             if is_number(mask):
                 _check_finite_shift(x, mask)
                 steps.append(("shift", mask))  # a constant shift does not change softmax
@@ -2238,6 +2261,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 # torch.sub(s, c, alpha=a) is s - a·c: a shift of 1 by alpha=1e9 rounds the scores away
                 # (rewritten before, review s28), and a·m is not the mask m
                 raise _Skip(f"'{x.name}' subtracts with {extra}: the subtrahend would be scaled")
+            shift = _unexpanded_mask(cand, shift, x, scores)
             row_max = _row_max_of(shift, scores, x)
             if (
                 row_max is None
@@ -2245,7 +2269,8 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
                 and tensor_meta(shift) is not None
                 and _reaches_matmul(scores)
                 and not _reaches_matmul(shift)
-                and set(scores.users) == {x}  # a shift computed from the scores (s.amin(-2)) is no mask
+                # a shift computed from the scores (s.amin(-2)) is no mask; a peeled expand_as reads the size
+                and all(u is x or (op_name(u) in _SHAPE_TEMPLATES and u in cand.chain) for u in scores.users)
             ):
                 # s - m is s + (-m), exactly: an additive mask the op takes negated (XLNet's s - 1e30·m)
                 if any(n is shift for n in cand.masks.additive):
@@ -2271,6 +2296,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             continue
         if name in ("masked_fill", "masked_fill_"):
             cond, fill, scores = arg(x, 1, "mask"), arg(x, 2, "value"), arg(x, 0, "input")
+            cond = _unexpanded_mask(cand, cond, x, scores)
             value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"masked_fill value {fill} is not -inf or a large negative constant"
@@ -2292,6 +2318,7 @@ def _scores_side(cand: _Candidate, softmax: Node, x: Node, softmax_nodes=()):
             if ra == rb:
                 raise _Skip(f"cannot tell the scores from the fill value in '{x.name}'")
             scores, fill = (a, b) if ra else (b, a)
+            cond = _unexpanded_mask(cand, cond, x, scores)
             value = _fill_value(fill)
             if value is None or value > _MASKED_VALUE:
                 raise _Skip(f"torch.where fill {fill} is not -inf or a large negative constant"
