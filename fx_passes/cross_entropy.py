@@ -964,6 +964,19 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
     head = {"linear": "F.linear", "addmm": "addmm(b, x, w.t())", "einsum": "einsum"}.get(op_name(linear),
                                                                                         "x @ w.t()")
     variant = " -> ".join([head, *(_step_name(n) for n in reversed(chain)), loss_name])
+    # Autocast: the Linear computes in a lower dtype than its operands, which it casts, its own bias
+    # included, and rounds the logits to that dtype; F.cross_entropy (autocast's fp32 list) then takes them in
+    # fp32. The op computes its logits in its inputs' dtype and the loss from them in fp32, so with the
+    # operands cast the same way, in the graph, it is eager's function, and autograd takes each cast's
+    # gradient back to the operand's own dtype (fx_passes/dense.py does the same; review s35b M1). A class
+    # bias added after the Linear is not cast (a bias of another dtype changes the logits' dtype, which the
+    # check of the op's outputs below refuses).
+    compute = getattr(tensor_meta(linear), "dtype", None)
+    autocast = [n for n in (x, weight, bias if added_bias is None else None)
+                if isinstance(n, torch.fx.Node) and compute is not None
+                and getattr(tensor_meta(n), "dtype", compute) != compute]
+    if autocast:
+        variant = f"{variant} (autocast to {str(compute).removeprefix('torch.')})"
     writer = out_writer([linear, *chain, ce])
     if writer is not None:
         raise _Miss(f"{variant}: {writer.name} also writes its result into out=, which the fused op would "
@@ -983,7 +996,7 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
         raise _Miss(f"{variant}: the logits {logits_node.name} are written in place by {writers[0].name}: "
                     "the fused op would compute the loss from them unwritten and keep them for its backward "
                     "(eager's loss keeps its log-probabilities)")
-    kept = linear_operand_writer(x, weight, {linear, *chain, ce}, ce)
+    kept = linear_operand_writer(x, weight, {linear, *chain, ce}, ce, copied=autocast)
     if kept is not None:  # after the loss (before it: written_before_end)
         what, operand, writer = kept
         raise _Miss(f"{variant}: the head's {what} {operand.name} is written in place by {writer.name} after "
@@ -1014,6 +1027,10 @@ def _rewrite_one(graph: torch.fx.Graph, fn, ce: torch.fx.Node, args: dict, logit
               "label_smoothing": float(smoothing),
               "loss_dtype": want_loss.dtype if want_loss is not None else None}
     inserted, target, positions, grids = [], args["target"], None, {}
+    cast = {n: insert_call(graph, torch.Tensor.to, (n, compute), like=linear) for n in autocast}
+    inserted += cast.values()
+    x, weight = cast.get(x, x), cast.get(weight, weight)
+    bias = cast.get(bias, bias) if bias is not None else None
     factor = _scale_factor(scale, linear, variant) if scale is not None else 1.0
     if added_bias is not None:
         bias = added_bias
