@@ -254,3 +254,51 @@ def test_logits_from_another_graph_are_left_alone():
         torch.compile(forward, backend=rewrite_only_backend)(x, labels)
     assert counters["flash"]["cross_entropy"] == 0, str(report)
     assert "an input of this graph" in str(report), str(report)
+
+
+@pytest.mark.parametrize("loss_fn", [module_loss, causal_lm_loss], ids=["module_loss", "causal_lm_loss"])
+def test_head_under_autocast_is_rewritten(loss_fn):
+    """Under CPU bf16 autocast: fused on the operands cast as autocast casts them (review s35b M1). The
+    loss, the bf16 logits and the fp32 parameters' gradients are eager's autocast run's."""
+    torch.manual_seed(0)
+    model = Head(loss_fn)
+    args = (torch.randn(2, 5, K), _labels((2, 5)))
+    counters.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _run(model, args, True)
+        with collecting() as report:
+            got = _run(torch.compile(model, backend=rewrite_only_backend, fullgraph=True), args, True)
+    assert counters["flash"]["cross_entropy"] == 1, str(report)
+    assert "autocast to bfloat16" in str(report), str(report)
+    assert got[1].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[2:])
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_head_under_autocast_with_the_flash_backend(dtype):
+    """The autocast LM head through backend="flash" on the GPU kernels (cuBLASLt forward, Triton passes):
+    loss, logits and the fp32 parameters' gradients as eager's autocast run."""
+    torch.manual_seed(0)
+    model = Head(causal_lm_loss, classes=294).cuda()  # not a multiple of 8: the op's rows padded to 296
+    x = torch.randn(4, 33, K, device="cuda")
+    labels = torch.randint(0, model.proj.out_features, (4, 33), device="cuda")
+    params = list(model.parameters())
+
+    def step(fn):
+        with torch.autocast("cuda", dtype=dtype):
+            loss, logits = fn(x, labels)
+        grads = torch.autograd.grad([loss, logits], params,
+                                    [torch.ones_like(loss), 0.1 * torch.ones_like(logits)])
+        return [loss, logits, *grads]
+
+    counters.clear()
+    expected = step(model)
+    with collecting() as report:
+        got = step(torch.compile(model, backend="flash", fullgraph=True))
+    assert counters["flash"]["cross_entropy"] == 1, str(report)
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
